@@ -1,0 +1,36 @@
+# One command to set up and run the main job, one to run the tests.
+#   make demo   - build .venv, train the digits CNN with ShapeLogger + GradClamp
+#   make test   - build .venv, run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch is all the demo and the tests need; install it before anything asks for torch.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench tensorboard clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/lightning-hooks fit --config configs/digits.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+tensorboard: setup
+	$(VENV)/bin/tensorboard --logdir lightning_logs --host 127.0.0.1
+
+clean:
+	rm -rf $(VENV) lightning_logs *.egg-info

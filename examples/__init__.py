@@ -1,0 +1,1 @@
+"""Small, readable models and data modules that the configs in ``configs/`` train."""

@@ -1,0 +1,136 @@
+"""Shapes and named tensors of nested module inputs and outputs.
+
+Structure is walked with ``torch.utils._pytree`` (tuples, lists, dicts, namedtuples and every
+type registered with it, such as ``transformers``' ``ModelOutput``). Dataclasses and other
+mappings that pytree treats as opaque are opened here. Nothing in this module raises on an
+unknown type: it is shown by its type name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+Leaf = tuple[int, ...] | str
+"""A tensor's shape, or the type name of anything else (``"None"`` for ``None``)."""
+
+Signature = tuple[tuple[str, Leaf], ...]
+"""``(path, leaf)`` pairs in traversal order; hashable, holds no tensor."""
+
+_MAX_DEPTH = 32
+
+
+def _key(entry: Any) -> str:
+    for attr in ("idx", "key", "name"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _opaque_container(obj: Any) -> bool:
+    """Containers pytree does not open by itself but we do."""
+    return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
+        isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES
+    )
+
+
+def _children(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, Mapping):
+        return {str(k): v for k, v in obj.items()}
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def named_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf of a nested structure with its dotted path (``""`` for a bare leaf).
+
+    Example::
+
+        >>> import torch
+        >>> [(p, type(v).__name__) for p, v in named_leaves((torch.zeros(2), {"h": None}))]
+        [('0', 'Tensor'), ('1.h', 'NoneType')]
+    """
+    out: list[tuple[str, Any]] = []
+    _collect(obj, prefix, out, 0)
+    return out
+
+
+def _collect(obj: Any, prefix: str, out: list[tuple[str, Any]], level: int) -> None:
+    try:
+        flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=_opaque_container)
+    except Exception:  # a broken flatten function registered by someone else: show the object whole
+        out.append((prefix, obj))
+        return
+    for path, leaf in flat:
+        name = ".".join([prefix, *(_key(k) for k in path)] if prefix else [_key(k) for k in path])
+        if level >= _MAX_DEPTH or not _opaque_container(leaf):
+            out.append((name, leaf))
+            continue
+        try:
+            children = _children(leaf)
+        except Exception:  # a dataclass or mapping whose fields cannot be read
+            out.append((name, leaf))
+            continue
+        for key, child in children.items():
+            _collect(child, f"{name}.{key}" if name else key, out, level + 1)
+
+
+def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a nested structure with their dotted paths."""
+    return [(p, v) for p, v in named_leaves(obj, prefix) if isinstance(v, torch.Tensor)]
+
+
+def describe(value: Any) -> Leaf:
+    """A tensor's shape as a tuple of ints; anything else by its type name."""
+    if isinstance(value, torch.Tensor):
+        return tuple(int(d) for d in value.shape)
+    return "None" if value is None else type(value).__name__
+
+
+def signature(obj: Any) -> Signature:
+    """The shape signature of a nested structure: what a shape table shows, with no tensor held.
+
+    Example::
+
+        >>> import torch
+        >>> signature({"logits": torch.zeros(4, 10), "aux": (None, 3)})
+        (('logits', (4, 10)), ('aux.0', 'None'), ('aux.1', 'int'))
+    """
+    try:
+        return tuple((path, describe(leaf)) for path, leaf in named_leaves(obj))
+    except Exception:
+        return (("", type(obj).__name__),)
+
+
+def call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a module was called with, in the form a table shows best.
+
+    A single positional argument is shown as itself; otherwise positional arguments are keyed by
+    position and keyword arguments by name.
+    """
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+
+
+def format_leaf(leaf: Leaf) -> str:
+    return "[" + ", ".join(str(d) for d in leaf) + "]" if isinstance(leaf, tuple) else leaf
+
+
+def format_signature(sig: Signature) -> str:
+    """``[32, 5]`` for a bare tensor, ``0: [32, 5], 1: [32]`` for several leaves.
+
+    Example::
+
+        >>> import torch
+        >>> format_signature(signature((torch.zeros(32, 5), None)))
+        '0: [32, 5], 1: None'
+    """
+    if not sig:
+        return "()"
+    if len(sig) == 1 and sig[0][0] == "":
+        return format_leaf(sig[0][1])
+    return ", ".join(f"{path}: {format_leaf(leaf)}" for path, leaf in sig)

@@ -1,0 +1,154 @@
+"""Module selection shared by every callback: ``include``, ``exclude``, ``types``, ``max_depth``.
+
+Names are qualified names relative to the model passed in (``""`` is the model itself). Wrappers
+added by ``torch.compile`` are looked through: ``encoder._orig_mod.layer`` is reported as
+``encoder.layer``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+ROOT_LABEL = "root"
+"""How the model itself (qualified name ``""``) is shown in tables and tags."""
+
+_COMPILE_WRAPPER = "_orig_mod"
+
+
+def label(name: str) -> str:
+    """The name a module is shown under: its qualified name, or ``root`` for the model itself."""
+    return name or ROOT_LABEL
+
+
+def _known_module_types() -> set[str]:
+    seen: set[str] = set()
+    stack: list[type] = [nn.Module]
+    while stack:
+        cls = stack.pop()
+        if cls.__name__ not in seen:
+            seen.add(cls.__name__)
+            stack.extend(cls.__subclasses__())
+    return seen
+
+
+def _str_list(owner: str, arg: str, value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a list of strings or None"
+            + (f", e.g. `{arg}=[{value!r}]`." if isinstance(value, str) else ".")
+        )
+    return list(value)
+
+
+def _few(names: Sequence[str], near: str = "", n: int = 8) -> str:
+    close = difflib.get_close_matches(near, names, n=n, cutoff=0.4) if near else []
+    rest = [x for x in names if x not in close]
+    shown = (close + rest)[:n]
+    more = f", ... ({len(names) - len(shown)} more)" if len(names) > len(shown) else ""
+    return ", ".join(repr(x) for x in shown) + more
+
+
+@dataclass(frozen=True)
+class ModuleSelector:
+    """Which modules of a model a callback hooks.
+
+    A module is selected when its qualified name matches one of ``include`` (all names when
+    ``None``), matches none of ``exclude``, its class or one of its base classes is named in
+    ``types`` (any class when ``None``), and it is at most ``max_depth`` levels below the model
+    (the model is depth 0, its children depth 1).
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [name for name, _ in ModuleSelector(types=["Linear"]).select(model)]
+        ['0', '2']
+        >>> [name for name, _ in ModuleSelector(exclude=["1"], max_depth=1).select(model)]
+        ['', '0', '2']
+    """
+
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    types: list[str] | None = None
+    max_depth: int | None = None
+    owner: str = "ModuleSelector"
+
+    def __post_init__(self) -> None:
+        for arg in ("include", "exclude", "types"):
+            object.__setattr__(self, arg, _str_list(self.owner, arg, getattr(self, arg)))
+        if self.types is not None:
+            known = _known_module_types()
+            unknown = [t for t in self.types if t not in known]
+            if unknown:
+                raise ValueError(
+                    f"`{self.owner}` got `types={self.types!r}`; {unknown[0]!r} is not the name of any "
+                    f"`torch.nn.Module` subclass imported so far. Known names include: "
+                    f"{_few(sorted(known), unknown[0])}."
+                )
+        if self.max_depth is not None and (
+            isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int) or self.max_depth < 0
+        ):
+            raise ValueError(
+                f"`{self.owner}` got `max_depth={self.max_depth!r}`; `max_depth` must be an integer >= 0 or None."
+            )
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The selected ``(qualified name, module)`` pairs in registration order.
+
+        Raises:
+            ValueError: if a pattern in ``include`` or a name in ``types`` matches no module of
+                ``model``; the message lists some names that would.
+        """
+        candidates = list(named_modules(model))
+        names = [name for name, _ in candidates]
+        for pattern in self.include or []:
+            if not any(fnmatchcase(name, pattern) for name in names):
+                raise ValueError(
+                    f"`{self.owner}` got `include=[..., {pattern!r}, ...]`, which matches no module of "
+                    f"{type(model).__name__}. Qualified module names look like: {_few(names, pattern)} "
+                    f"('' is the model itself; patterns use fnmatch syntax, e.g. 'encoder.*')."
+                )
+        if self.types is not None:
+            present = sorted({cls.__name__ for _, m in candidates for cls in type(m).__mro__})
+            missing = [t for t in self.types if t not in present]
+            if missing:
+                raise ValueError(
+                    f"`{self.owner}` got `types={self.types!r}`, but {type(model).__name__} has no module of "
+                    f"type {missing[0]!r}. Types in this model include: {_few(present, missing[0])}."
+                )
+        return [(name, module) for name, module in candidates if self._wanted(name, module)]
+
+    def _wanted(self, name: str, module: nn.Module) -> bool:
+        if self.include is not None and not any(fnmatchcase(name, p) for p in self.include):
+            return False
+        if self.exclude is not None and any(fnmatchcase(name, p) for p in self.exclude):
+            return False
+        if self.types is not None and not any(cls.__name__ in self.types for cls in type(module).__mro__):
+            return False
+        return self.max_depth is None or depth(name) <= self.max_depth
+
+
+def depth(name: str) -> int:
+    """How many levels below the model a qualified name is (the model itself is 0)."""
+    return name.count(".") + 1 if name else 0
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` with ``torch.compile`` wrappers looked through.
+
+    A compiled module (``OptimizedModule``) is not yielded itself; the module it wraps is yielded
+    under the wrapper's name, so that ``self.encoder = torch.compile(encoder)`` keeps the name
+    ``encoder`` and its children keep ``encoder.<child>``.
+    """
+    for name, module in model.named_modules():
+        parts = [p for p in name.split(".") if p != _COMPILE_WRAPPER] if name else []
+        if hasattr(module, _COMPILE_WRAPPER) and isinstance(getattr(module, _COMPILE_WRAPPER), nn.Module):
+            continue
+        yield ".".join(parts), module

@@ -1,0 +1,111 @@
+"""ShapeLogger: the per-layer input and output shapes of a training step."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks._nested import Signature, format_signature, signature
+from lightning_hooks._shapes import ShapeRecorder, format_markdown, format_table
+from lightning_hooks._sink import echo
+from lightning_hooks.callbacks._base import HookCallback
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+TAG = "shapes/train"
+
+
+class ShapeLogger(HookCallback):
+    """Print and log a table of every selected module's input and output shapes.
+
+    A forward pre-hook (with keyword arguments) and a forward hook on each selected module record
+    one row per call, in the order calls start: a module called twice in one forward gets two rows.
+    On the first training step the table (qualified name, class, input shapes, output shapes,
+    parameter count including children) is printed on rank zero and written to TensorBoard as
+    markdown text under ``shapes/train`` at ``global_step``.
+
+    Afterwards shapes are recorded again only on steps where they may have changed: when the
+    batch's own shapes differ from the previous batch (for example the last, smaller batch of an
+    epoch) and on every ``log_every_n_steps``-th optimizer step. A table that differs from every
+    table logged so far in this fit is printed and logged; a table seen before (the full-size
+    batch after the small last one) is not printed again, and otherwise the callback stays silent. On other
+    steps the hooks return at once. Sanity-check, validation, test and predict passes are never
+    recorded, nor is the forward that activation checkpointing re-runs during backward.
+
+    Args:
+        log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
+            batch's shapes did not change. ``None`` uses the Trainer's ``log_every_n_steps``.
+        include: Glob patterns over qualified module names to hook (``""`` is the
+            LightningModule itself); ``None`` hooks every module.
+        exclude: Glob patterns of modules not to hook.
+        types: Class names of modules to hook, matched along each module's class hierarchy
+            (``"Conv2d"``, ``"_ConvNd"``).
+        max_depth: Hook modules at most this many levels below the LightningModule.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import ShapeLogger
+        >>> trainer = Trainer(callbacks=[ShapeLogger(types=["Linear", "Conv2d"])], logger=False)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
+        )
+        self._recorder = ShapeRecorder()
+        self._logged: set[str] = set()
+        self._last_batch: Signature | None = None
+        self._step = 0
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        self._recorder = ShapeRecorder()
+        self._recorder.attach(modules, self._handles)
+        self._logged, self._last_batch = set(), None
+
+    @override
+    def _detach(self) -> None:
+        super()._detach()
+        self._recorder.active = False
+        self._recorder.clear()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        batch_shapes = signature(batch)
+        changed = batch_shapes != self._last_batch
+        self._last_batch = batch_shapes
+        if not self._logged or changed or self.is_logging_step(trainer):
+            self._recorder.clear()
+            self._recorder.active = True
+            self._step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        recorder = self._recorder
+        if not recorder.active:
+            return
+        recorder.active = False
+        table = recorder.table()
+        digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
+        if table and digest not in self._logged:
+            self._logged.add(digest)
+            header = f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._last_batch or ())}"
+            echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
+            self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", self._step)
+        recorder.clear()

@@ -1,0 +1,35 @@
+"""The ``lightning-hooks`` command: ``LightningCLI`` for any model and data module, by class path.
+
+    lightning-hooks fit --config configs/digits.yaml
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import ArgsType, LightningCLI
+
+
+def main(args: ArgsType = None, *, run: bool = True) -> LightningCLI:
+    """Run ``LightningCLI`` in subclass mode for both the model and the data module.
+
+    The working directory is put on ``sys.path`` first, as ``python -m`` does, so that class
+    paths of the project the command is run from (``examples.digits.DigitsCNN``) import.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
+if __name__ == "__main__":
+    main()

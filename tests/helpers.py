@@ -1,0 +1,114 @@
+"""Small real models, a Trainer factory and TensorBoard readers shared by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyNet(pl.LightningModule):
+    """An MLP whose ReLU module is called twice per forward, with a layer that never runs.
+
+    ``fail_at`` makes ``training_step`` raise ``fail_with`` at that batch index.
+    """
+
+    def __init__(
+        self, lr: float = 0.1, n: int = 40, batch_size: int = 16, fail_at: int | None = None, fail_with: type = RuntimeError
+    ) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.act = nn.ReLU()
+        self.unused = nn.Linear(2, 2)
+        self.lr, self.n, self.batch_size, self.fail_at, self.fail_with = lr, n, batch_size, fail_at, fail_with
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=generator) * 3
+        self.y = torch.randint(0, 3, (n,), generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc2(self.act(self.fc1(x)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_at is not None and batch_idx == self.fail_at:
+            raise self.fail_with("planned failure")
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x[:5], self.y[:5]), batch_size=5)
+
+
+def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool = True, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "default_root_dir": tmp_path,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "log_every_n_steps": 2,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "logger": TensorBoardLogger(tmp_path, name="tb", version=0) if logger else False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def events(root: Path) -> EventAccumulator:
+    """Everything written under ``root``, read back with TensorBoard's own reader."""
+    dirs = sorted({p.parent for p in Path(root).rglob("events.out.tfevents.*")})
+    assert len(dirs) == 1, f"expected one run directory under {root}, found {dirs}"
+    accumulator = EventAccumulator(str(dirs[0]), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def scalars(root: Path, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in events(root).Scalars(tag)}
+
+
+def texts(root: Path, tag: str) -> dict[int, str]:
+    return {e.step: e.tensor_proto.string_val[0].decode() for e in events(root).Tensors(tag)}
+
+
+def hook_state(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """How many hooks of each kind every module and parameter holds."""
+    state: dict[str, tuple[int, ...]] = {}
+    for name, module in model.named_modules():
+        state[f"module:{name}"] = tuple(
+            len(getattr(module, attr))
+            for attr in (
+                "_forward_hooks",
+                "_forward_pre_hooks",
+                "_forward_hooks_with_kwargs",
+                "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_always_called",
+                "_backward_hooks",
+                "_backward_pre_hooks",
+            )
+        )
+    for name, param in model.named_parameters():
+        state[f"param:{name}"] = (
+            len(param._backward_hooks or {}),
+            len(getattr(param, "_post_accumulate_grad_hooks", None) or {}),
+        )
+    return state
