@@ -28,9 +28,7 @@ class DigitsDataModule(pl.LightningDataModule):
         try:
             from sklearn.datasets import load_digits
         except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "DigitsDataModule needs scikit-learn: pip install 'lightning-hooks[examples]'"
-            ) from err
+            raise ImportError("DigitsDataModule needs scikit-learn: pip install 'lightning-hooks[examples]'") from err
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         dataset = TensorDataset(images, torch.tensor(digits.target, dtype=torch.long))
@@ -64,9 +62,7 @@ class DigitsCNN(pl.LightningModule):
             nn.ReLU(),
             nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10)
-        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
         self.val_acc = MulticlassAccuracy(num_classes=10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

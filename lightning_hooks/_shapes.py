@@ -93,9 +93,7 @@ class _ShapeHook:
             pending.pop().outputs = signature(output)
 
 
-def trace_shapes(
-    model: nn.Module, *args: Any, selector: ModuleSelector | None = None, **kwargs: Any
-) -> list[ShapeRow]:
+def trace_shapes(model: nn.Module, *args: Any, selector: ModuleSelector | None = None, **kwargs: Any) -> list[ShapeRow]:
     """Run ``model(*args, **kwargs)`` once and return a row per module call.
 
     No hook outlives the call, whether it returns or raises.
@@ -123,8 +121,7 @@ _HEADER = ("Layer", "Type", "Input", "Output", "Params")
 
 def _cells(rows: list[ShapeRow]) -> list[tuple[str, ...]]:
     return [
-        (label(r.name), r.type, format_signature(r.inputs), format_signature(r.outputs), f"{r.params:,}")
-        for r in rows
+        (label(r.name), r.type, format_signature(r.inputs), format_signature(r.outputs), f"{r.params:,}") for r in rows
     ]
 
 

@@ -1,6 +1,6 @@
 """The ``lightning-hooks`` command: ``LightningCLI`` for any model and data module, by class path.
 
-    lightning-hooks fit --config configs/digits.yaml
+lightning-hooks fit --config configs/digits.yaml
 """
 
 from __future__ import annotations

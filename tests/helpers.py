@@ -17,11 +17,16 @@ from torch.utils.data import DataLoader, TensorDataset
 class TinyNet(pl.LightningModule):
     """An MLP whose ReLU module is called twice per forward, with a layer that never runs.
 
-    ``fail_at`` makes ``training_step`` raise ``fail_with`` at that batch index.
+    ``fail_at`` makes ``training_step`` raise ``fail_with`` at that global step.
     """
 
     def __init__(
-        self, lr: float = 0.1, n: int = 40, batch_size: int = 16, fail_at: int | None = None, fail_with: type = RuntimeError
+        self,
+        lr: float = 0.1,
+        n: int = 40,
+        batch_size: int = 16,
+        fail_at: int | None = None,
+        fail_with: type = RuntimeError,
     ) -> None:
         super().__init__()
         self.fc1, self.fc2, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
@@ -36,7 +41,7 @@ class TinyNet(pl.LightningModule):
         return self.head(self.act(self.fc2(self.act(self.fc1(x)))))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.fail_at is not None and batch_idx == self.fail_at:
+        if self.fail_at is not None and self.global_step == self.fail_at:
             raise self.fail_with("planned failure")
         x, y = batch
         return F.cross_entropy(self(x), y)

@@ -27,9 +27,13 @@ def test_add_len_and_remove_is_idempotent() -> None:
 
 def test_context_manager_removes_on_error() -> None:
     layer = nn.Linear(2, 2)
-    with pytest.raises(RuntimeError, match="boom"), HookHandles() as handles:
-        handles.add(layer.register_forward_hook(_noop))
-        raise RuntimeError("boom")
+    def fail() -> None:
+        with HookHandles() as handles:
+            handles.add(layer.register_forward_hook(_noop))
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail()
     assert len(layer._forward_hooks) == 0
 
 

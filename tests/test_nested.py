@@ -41,7 +41,10 @@ T = torch.zeros
         (Pair(T(1), T(2)), (("first", (1,)), ("second", (2,)))),
         (Output(T(4, 2), (T(1),)), (("logits", (4, 2)), ("hidden.0", (1,)))),
         (ModelOutput(loss=T(()), logits=T(2, 5)), (("loss", ()), ("logits", (2, 5)))),
-        ([Output(T(1)), ModelOutput(x=Pair(T(3), None))], (("0.logits", (1,)), ("0.hidden", "None"), ("1.x.first", (3,)), ("1.x.second", "None"))),
+        (
+            [Output(T(1)), ModelOutput(x=Pair(T(3), None))],
+            (("0.logits", (1,)), ("0.hidden", "None"), ("1.x.first", (3,)), ("1.x.second", "None")),
+        ),
         (Opaque(), (("", "Opaque"),)),
         ((), ()),
     ],

@@ -44,7 +44,12 @@ def test_logs_again_only_for_a_new_table(tmp_path: Path, capsys: pytest.CaptureF
 def test_validation_and_sanity_check_are_not_recorded(tmp_path: Path) -> None:
     # The validation batch has 5 rows; no table may show them.
     trainer = make_trainer(
-        tmp_path, [ShapeLogger(log_every_n_steps=1)], max_steps=6, num_sanity_val_steps=1, limit_val_batches=1, val_check_interval=2
+        tmp_path,
+        [ShapeLogger(log_every_n_steps=1)],
+        max_steps=6,
+        num_sanity_val_steps=1,
+        limit_val_batches=1,
+        val_check_interval=2,
     )
     trainer.fit(TinyNet())
     logged = texts(tmp_path, "shapes/train")

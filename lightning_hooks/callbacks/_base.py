@@ -57,7 +57,7 @@ class HookCallback(Callback):
 
     def every(self, trainer: pl.Trainer) -> int:
         """The logging period in optimizer steps."""
-        return self.log_every_n_steps or trainer.log_every_n_steps or 50
+        return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
         """A training (not sanity-check) step whose optimizer step is a multiple of the period."""

@@ -105,7 +105,9 @@ class ShapeLogger(HookCallback):
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:
             self._logged.add(digest)
-            header = f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._last_batch or ())}"
+            header = (
+                f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._last_batch or ())}"
+            )
             echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
             self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", self._step)
         recorder.clear()

@@ -1,0 +1,33 @@
+"""Every YAML file in configs/ trains through the real LightningCLI (shortened)."""
+
+from pathlib import Path
+
+import pytest
+
+from lightning_hooks.cli import main
+from tests.helpers import events
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs() -> None:
+    assert {p.name for p in CONFIGS} >= {"digits.yaml", "numnet.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_runs(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(
+        [
+            "fit",
+            f"--config={config}",
+            "--trainer.max_steps=4",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
+        ]
+    )
+    assert "ShapeLogger:" in capsys.readouterr().out
+    tags = events(tmp_path / "logs").Tags()
+    assert "shapes/train" in tags["tensors"]
+    assert "grad_clamp/clamped_fraction" in tags["scalars"]
