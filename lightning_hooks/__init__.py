@@ -1,8 +1,17 @@
 """Lightning callbacks that show what happens inside a training run, built on PyTorch's hooks."""
 
 from lightning_hooks._shapes import ShapeRow, format_table, trace_shapes
-from lightning_hooks.callbacks import GradClamp, ShapeLogger
+from lightning_hooks.callbacks import ActivationStats, GradClamp, GradStats, ShapeLogger
 
 __version__ = "0.1.0"
 
-__all__ = ["GradClamp", "ShapeLogger", "ShapeRow", "__version__", "format_table", "trace_shapes"]
+__all__ = [
+    "ActivationStats",
+    "GradClamp",
+    "GradStats",
+    "ShapeLogger",
+    "ShapeRow",
+    "__version__",
+    "format_table",
+    "trace_shapes",
+]

@@ -105,6 +105,14 @@ def signature(obj: Any) -> Signature:
         return (("", type(obj).__name__),)
 
 
+def leaf_shapes(obj: Any) -> tuple[torch.Size, ...]:
+    """The shapes of the tensors pytree finds in ``obj``: a cheap test of "did the batch change"."""
+    try:
+        return tuple(leaf.shape for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor))
+    except Exception:
+        return ()
+
+
 def call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What a module was called with, in the form a table shows best.
 

@@ -52,12 +52,15 @@ class ShapeRecorder:
         self.rows = []
         self._open = {}
 
-    def attach(self, modules: list[tuple[str, nn.Module]], handles: HookHandles) -> None:
+    def attach(
+        self, modules: list[tuple[str, nn.Module]], handles: HookHandles, params: dict[str, int] | None = None
+    ) -> None:
+        """Hook ``modules``; ``params`` (qualified name to parameter count) saves recounting them."""
         for name, module in modules:
-            params = sum(p.numel() for p in module.parameters())
+            count = params[name] if params is not None else parameter_count(module)
             handles.add(
                 module.register_forward_pre_hook(
-                    _ShapePreHook(self, name, type(module).__name__, params), with_kwargs=True
+                    _ShapePreHook(self, name, type(module).__name__, count), with_kwargs=True
                 )
             )
             handles.add(module.register_forward_hook(_ShapeHook(self, name), always_call=True))
@@ -65,6 +68,11 @@ class ShapeRecorder:
     def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
         """What the recorded rows say, comparable between steps."""
         return tuple(row.key() for row in self.rows)
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Parameters of the module and its children, each shared parameter counted once."""
+    return sum(p.numel() for p in module.parameters())
 
 
 class _ShapePreHook:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch.utils.tensorboard.summary import text as text_summary
+
+from lightning_hooks._stats import Histogram
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,6 +66,17 @@ class Sink:
                 writer.add_text(tag, text, global_step=step)
 
     @rank_zero_only
-    def histogram(self, trainer: pl.Trainer, tag: str, values: torch.Tensor, step: int) -> None:
+    def histogram(self, trainer: pl.Trainer, tag: str, hist: Histogram, step: int) -> None:
+        """A histogram counted on device (see :func:`lightning_hooks._stats.histogram`)."""
         for board in self._tensorboards(trainer, "histograms"):
-            board.experiment.add_histogram(tag, values, global_step=step)
+            board.experiment.add_histogram_raw(
+                tag,
+                min=hist.min,
+                max=hist.max,
+                num=hist.num,
+                sum=hist.sum,
+                sum_squares=hist.sum_squares,
+                bucket_limits=hist.bucket_limits,
+                bucket_counts=hist.bucket_counts,
+                global_step=step,
+            )

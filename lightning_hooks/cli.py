@@ -12,8 +12,13 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 
-def main(args: ArgsType = None, *, run: bool = True) -> LightningCLI:
-    """Run ``LightningCLI`` in subclass mode for both the model and the data module.
+def main(args: ArgsType = None) -> None:
+    """The console script: parse ``args`` (default: the command line) and run the subcommand."""
+    cli(args)
+
+
+def cli(args: ArgsType = None, *, run: bool = True) -> LightningCLI:
+    """``LightningCLI`` in subclass mode for both the model and the data module.
 
     The working directory is put on ``sys.path`` first, as ``python -m`` does, so that class
     paths of the project the command is run from (``examples.digits.DigitsCNN``) import.

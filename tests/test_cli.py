@@ -31,3 +31,7 @@ def test_config_runs(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     tags = events(tmp_path / "logs").Tags()
     assert "shapes/train" in tags["tensors"]
     assert "grad_clamp/clamped_fraction" in tags["scalars"]
+    if config.stem == "digits":
+        assert {"grad_norm_total", "act_zero_frac/features.2", "out_grad_norm/classifier.3"} <= set(tags["scalars"])
+        assert "grad/features.0.weight" in tags["histograms"]
+        assert "act/features.0" in tags["histograms"]

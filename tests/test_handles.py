@@ -27,6 +27,7 @@ def test_add_len_and_remove_is_idempotent() -> None:
 
 def test_context_manager_removes_on_error() -> None:
     layer = nn.Linear(2, 2)
+
     def fail() -> None:
         with HookHandles() as handles:
             handles.add(layer.register_forward_hook(_noop))

@@ -18,8 +18,8 @@ def test_no_hook_left_behind(tmp_path: Path, failure: type[BaseException] | None
 
     class Spy(ShapeLogger):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
-            seen_during_fit.append(hook_state(pl_module))
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            seen_during_fit.append(hook_state(pl_module))
 
     trainer = make_trainer(tmp_path, [Spy(), GradClamp(0.1)], max_steps=5)
     if failure is RuntimeError:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks._nested import Signature, format_signature, signature
-from lightning_hooks._shapes import ShapeRecorder, format_markdown, format_table
+from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
+from lightning_hooks._shapes import ShapeRecorder, format_markdown, format_table, parameter_count
 from lightning_hooks._sink import echo
 from lightning_hooks.callbacks._base import HookCallback
 
@@ -32,9 +33,10 @@ class ShapeLogger(HookCallback):
     batch's own shapes differ from the previous batch (for example the last, smaller batch of an
     epoch) and on every ``log_every_n_steps``-th optimizer step. A table that differs from every
     table logged so far in this fit is printed and logged; a table seen before (the full-size
-    batch after the small last one) is not printed again, and otherwise the callback stays silent. On other
-    steps the hooks return at once. Sanity-check, validation, test and predict passes are never
-    recorded, nor is the forward that activation checkpointing re-runs during backward.
+    batch after the small last one) is not printed again, and otherwise the callback stays
+    silent. On other steps no hook is attached at all, so every module keeps
+    ``nn.Module.__call__``'s fast path. Sanity-check, validation, test and predict passes are
+    never recorded, nor is the forward that activation checkpointing re-runs during backward.
 
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
@@ -66,13 +68,15 @@ class ShapeLogger(HookCallback):
         )
         self._recorder = ShapeRecorder()
         self._logged: set[str] = set()
-        self._last_batch: Signature | None = None
+        self._last_batch: tuple[torch.Size, ...] | None = None
+        self._batch: Signature = ()
         self._step = 0
+        self._params: dict[str, int] = {}
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._recorder = ShapeRecorder()
-        self._recorder.attach(modules, self._handles)
+        self._params = {name: parameter_count(module) for name, module in modules}
         self._logged, self._last_batch = set(), None
 
     @override
@@ -85,12 +89,14 @@ class ShapeLogger(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        batch_shapes = signature(batch)
+        batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        if not self._logged or changed or self.is_logging_step(trainer):
+        if self._modules and (not self._logged or changed or self.is_logging_step(trainer)):
+            self._batch = signature(batch)
             self._recorder.clear()
             self._recorder.active = True
+            self._recorder.attach(self._modules, self._step_handles, self._params)
             self._step = trainer.global_step
 
     @override
@@ -98,6 +104,7 @@ class ShapeLogger(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         recorder = self._recorder
+        self._step_handles.remove()
         if not recorder.active:
             return
         recorder.active = False
@@ -105,9 +112,7 @@ class ShapeLogger(HookCallback):
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:
             self._logged.add(digest)
-            header = (
-                f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._last_batch or ())}"
-            )
+            header = f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._batch)}"
             echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
             self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", self._step)
         recorder.clear()

@@ -1,0 +1,105 @@
+"""ActivationStats: per-layer statistics of module outputs, on logging steps only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks._nested import named_tensors
+from lightning_hooks._shapes import in_backward
+from lightning_hooks._stats import StatBatch, histogram, moments
+from lightning_hooks.callbacks._base import StatsCallback, output_label
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+ActivationStat = Literal["mean", "std", "abs_max", "zero_frac", "nonfinite"]
+ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_frac", "nonfinite")
+
+
+class _ActivationHook:
+    def __init__(self, batch: StatBatch, name: str, histograms: bool, bins: int) -> None:
+        self.batch, self.name, self.histograms, self.bins = batch, name, histograms, bins
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if in_backward():  # activation checkpointing re-running forward
+            return
+        for path, tensor in named_tensors(output):
+            if not tensor.is_floating_point():
+                continue
+            key = ("act", output_label(self.name, path))
+            self.batch.add_moments(key, moments(tensor))
+            if self.histograms:
+                self.batch.add_histogram(key, histogram(tensor, self.bins))
+
+
+class ActivationStats(StatsCallback):
+    """Log statistics of every selected module's outputs every ``log_every_n_steps`` optimizer steps.
+
+    On a logging step, a forward hook on each selected module reduces every floating-point tensor
+    of its output (nested outputs too) to a few numbers on the device; all of them reach the host
+    in one transfer after the optimizer step and are logged at that step. A module called several
+    times, and all micro-batches of an accumulated step, are pooled into one figure. On other
+    steps no hook is attached. Validation, sanity check and the forward that activation
+    checkpointing re-runs in backward are never counted.
+
+    Tags (``<layer>`` is the qualified module name, ``root`` for the LightningModule, followed by
+    ``.out.<path>`` for a tensor inside a nested output such as ``lstm.out.0``):
+
+    * ``act_mean/<layer>``, ``act_std/<layer>`` (population std), ``act_abs_max/<layer>``
+    * ``act_zero_frac/<layer>``: share of exact zeros, the dead-ReLU detector
+    * ``act_nonfinite/<layer>``: how many values are NaN or Inf
+    * ``act/<layer>``: histogram (TensorBoard only), when ``histograms=True``
+
+    Args:
+        log_every_n_steps: Logging period in optimizer steps; ``None`` uses the Trainer's.
+        stats: Which statistics to log (default: all of ``mean``, ``std``, ``abs_max``,
+            ``zero_frac``, ``nonfinite``).
+        histograms: Also log a histogram per output, counted on device from at most 65,536
+            evenly spaced elements.
+        include: Glob patterns over qualified module names (``""`` is the LightningModule).
+        exclude: Glob patterns of modules to leave out.
+        types: Class names of modules to watch, matched along the class hierarchy.
+        max_depth: Watch modules at most this many levels below the LightningModule.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import ActivationStats
+        >>> trainer = Trainer(callbacks=[ActivationStats(types=["ReLU"], stats=["zero_frac"])], logger=False)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        stats: list[ActivationStat] | None = None,
+        histograms: bool = False,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps,
+            stats=stats,
+            allowed_stats=ACTIVATION_STATS,
+            histograms=histograms,
+            include=include,
+            exclude=exclude,
+            types=types,
+            max_depth=max_depth,
+        )
+
+    @override
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for name, module in self._modules:
+            hook = _ActivationHook(self._batch, name, self.histograms, self.bins)
+            self._step_handles.add(module.register_forward_hook(hook))
+
+    @override
+    def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        rows, hists, _ = self._batch.fetch()
+        self._log_rows(trainer, "act_", {name: row for (_, name), row in rows.items()}, step)
+        self._log_histograms(trainer, "act/", {name: h for (_, name), h in hists.items()}, step)

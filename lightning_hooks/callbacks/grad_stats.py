@@ -1,0 +1,233 @@
+"""GradStats: per-parameter and per-layer gradient statistics, on logging steps only."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks._handles import HookHandles
+from lightning_hooks._nested import named_tensors
+from lightning_hooks._shapes import in_backward
+from lightning_hooks._stats import STATS, Key, StatBatch, derive, histogram, moments
+from lightning_hooks.callbacks._base import StatsCallback, output_label
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
+OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
+
+
+def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+class _OutputGradHook:
+    """Forward hook: registers a tensor hook on each output that will receive a gradient."""
+
+    def __init__(self, batch: StatBatch, name: str, scaler: torch.amp.GradScaler | None) -> None:
+        self.batch, self.name, self.scaler = batch, name, scaler
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if in_backward() or not torch.is_grad_enabled():
+            return
+        for path, tensor in named_tensors(output):
+            if tensor.requires_grad and tensor.is_floating_point():
+                tensor.register_hook(_GradReader(self.batch, ("out", output_label(self.name, path)), self.scaler))
+
+
+class _GradReader:
+    def __init__(self, batch: StatBatch, key: Key, scaler: torch.amp.GradScaler | None) -> None:
+        self.batch, self.key, self.scaler = batch, key, scaler
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        scale = getattr(self.scaler, "_scale", None)  # a tensor on device: dividing by it needs no sync
+        self.batch.add_moments(self.key, moments(grad if scale is None else grad.float() / scale))
+
+
+class _UpdateRatio:
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each watched parameter."""
+
+    def __init__(
+        self, owner: GradStats, before: dict[str, tuple[nn.Parameter, torch.Tensor]], trainer: pl.Trainer
+    ) -> None:
+        self.owner, self.before, self.trainer = owner, before, trainer
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for name, (param, old) in self.before.items():
+            ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
+            self.owner._batch.add_scalar(("ratio", name), ratio)
+        self.before = {}
+        self.owner._ratio_handles.remove()
+        self.owner._flush(self.trainer)
+
+
+class GradStats(StatsCallback):
+    """Log gradient statistics per parameter and per layer every ``log_every_n_steps`` optimizer steps.
+
+    **Parameter gradients** are read in ``on_before_optimizer_step``: after AMP unscaling, after
+    gradient accumulation and the DDP all-reduce, before gradient clipping — where Lightning's own
+    ``grad_norm`` recipe reads them. The update-to-weight ratio compares each parameter before and
+    after the optimizer step.
+
+    **Layer output gradients** (what a full backward hook would report as ``grad_output``) are read
+    by a tensor hook that a forward hook puts on each output on logging steps, which, unlike
+    ``register_full_backward_hook``, works on models that modify outputs in place afterwards
+    (``ReLU(inplace=True)`` after a convolution). Under a ``GradScaler`` they are divided by the
+    current scale on device, so all figures are of the true, unscaled gradient.
+
+    Everything is computed on device and reaches the host in one transfer per logging step; on
+    other steps no hook is attached and nothing is computed.
+
+    Tags (``<param>`` is a qualified parameter name such as ``features.0.weight``; ``<layer>`` a
+    qualified module name, ``root`` for the LightningModule, with ``.out.<path>`` for nested outputs):
+
+    * ``grad_norm/<param>``, ``grad_mean/…``, ``grad_std/…``, ``grad_abs_max/…``,
+      ``grad_zero_frac/…``, ``grad_nonfinite/…``; ``grad_norm_total`` over all watched parameters
+    * ``update_ratio/<param>``: ``||Δw|| / ||w||`` across the optimizer step
+    * ``grad/<param>``: histogram (TensorBoard only), when ``histograms=True``
+    * ``out_grad_norm/<layer>``, ``out_grad_abs_max/<layer>``, ``out_grad_nonfinite/<layer>``
+
+    Args:
+        log_every_n_steps: Logging period in optimizer steps; ``None`` uses the Trainer's.
+        stats: Which parameter-gradient statistics to log (default: all of ``norm``, ``mean``,
+            ``std``, ``abs_max``, ``zero_frac``, ``nonfinite``); output gradients log those of
+            ``norm``, ``abs_max``, ``nonfinite`` that are chosen.
+        histograms: Also log a histogram of each parameter's gradient.
+        param_grads: Log parameter-gradient statistics and ``grad_norm_total``.
+        output_grads: Log layer output-gradient statistics.
+        update_ratio: Log ``update_ratio/<param>`` (costs a copy of the watched parameters on
+            logging steps).
+        include: Glob patterns over qualified module names (``""`` is the LightningModule).
+        exclude: Glob patterns of modules to leave out.
+        types: Class names of modules to watch, matched along the class hierarchy.
+        max_depth: Watch modules at most this many levels below the LightningModule.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import GradStats
+        >>> trainer = Trainer(callbacks=[GradStats(log_every_n_steps=100, output_grads=False)], logger=False)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        stats: list[GradStat] | None = None,
+        histograms: bool = False,
+        param_grads: bool = True,
+        output_grads: bool = True,
+        update_ratio: bool = True,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps,
+            stats=stats,
+            allowed_stats=STATS,
+            histograms=histograms,
+            include=include,
+            exclude=exclude,
+            types=types,
+            max_depth=max_depth,
+        )
+        for arg, value in (
+            ("param_grads", param_grads),
+            ("output_grads", output_grads),
+            ("update_ratio", update_ratio),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`GradStats` got `{arg}={value!r}`; `{arg}` must be True or False.")
+        if not (param_grads or output_grads):
+            raise ValueError("`GradStats` got `param_grads=False` and `output_grads=False`; enable at least one.")
+        self.param_grads, self.output_grads, self.update_ratio = param_grads, output_grads, update_ratio
+        self._params: list[tuple[str, nn.Parameter]] = []
+        self._scaler: torch.amp.GradScaler | None = None
+        self._ratio_handles = HookHandles()
+        self._read_params_at: int | None = None
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        super()._attach(trainer, pl_module, modules)
+        seen: set[int] = set()
+        self._params = []
+        for name, module in modules:
+            for pname, param in module.named_parameters(recurse=False):
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    self._params.append((f"{name}.{pname}" if name else pname, param))
+        self._scaler = loss_scaler(trainer)
+        self._read_params_at = None
+
+    @override
+    def _detach(self) -> None:
+        self._ratio_handles.remove()
+        super()._detach()
+        self._params = []
+
+    @override
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.output_grads:
+            return
+        for name, module in self._modules:
+            self._step_handles.add(module.register_forward_hook(_OutputGradHook(self._batch, name, self._scaler)))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not (self.param_grads and self._enabled) or self._armed != trainer.global_step:
+            return
+        if self._read_params_at == trainer.global_step:
+            return  # a second optimizer in the same step: its parameters were read with the first
+        self._read_params_at = trainer.global_step
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        for name, param in self._params:
+            if param.grad is None:
+                continue
+            self._batch.add_moments(("param", name), moments(param.grad))
+            if self.histograms:
+                self._batch.add_histogram(("param", name), histogram(param.grad, self.bins))
+            if self.update_ratio and id(param) in in_optimizer:
+                before[name] = (param, param.detach().clone())
+        if before:
+            self._ratio_handles.add(optimizer.register_step_post_hook(_UpdateRatio(self, before, trainer)))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # An optimizer step that was skipped (AMP overflow) never calls the update-ratio hook.
+        self._ratio_handles.remove()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _flush(self, trainer: pl.Trainer) -> None:
+        """Called by the update-ratio hook right after the optimizer step: log without waiting for batch end."""
+        if self._armed is not None:
+            step, self._armed = self._armed, None
+            self._emit(trainer, step)
+
+    @override
+    def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        rows, hists, extra = self._batch.fetch()
+        params = {name: row for (group, name), row in rows.items() if group == "param"}
+        outputs = {name: row for (group, name), row in rows.items() if group == "out"}
+        self._log_rows(trainer, "grad_", params, step)
+        metrics: dict[str, float] = {}
+        if params:
+            metrics["grad_norm_total"] = math.sqrt(sum(max(row[2], 0.0) for row in params.values()))
+        metrics.update({f"update_ratio/{key[1]}": value for key, value in extra.items()})
+        out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
+        for key, row in outputs.items():
+            metrics.update({f"out_grad_{stat}/{key}": value for stat, value in derive(row, out_stats).items()})
+        self._sink.scalars(trainer, metrics, step)
+        self._log_histograms(trainer, "grad/", {key[1]: h for key, h in hists.items()}, step)
