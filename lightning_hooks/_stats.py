@@ -10,7 +10,7 @@ little and nothing but the counts crosses to the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -127,9 +127,12 @@ class Histogram:
 class StatBatch:
     """Rows queued on device during a step, fetched with a single device-to-host copy.
 
-    Rows under the same key (a module called twice, several micro-batches) are combined.
+    Rows under the same key (a module called twice, several micro-batches) are combined. Rows
+    are taken only while ``open``: a tensor hook that fires after the batch was fetched (a late
+    backward) adds nothing to the next one.
     """
 
+    open: bool = False
     moments: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     histograms: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
@@ -137,17 +140,41 @@ class StatBatch:
     def __len__(self) -> int:
         return len(self.moments) + len(self.histograms) + len(self.extra)
 
+    def start(self) -> None:
+        self.clear()
+        self.open = True
+
     def add_moments(self, key: Key, row: torch.Tensor) -> None:
-        self.moments.setdefault(key, []).append(row)
+        if self.open:
+            self.moments.setdefault(key, []).append(row)
 
     def add_histogram(self, key: Key, row: torch.Tensor) -> None:
-        self.histograms.setdefault(key, []).append(row)
+        if self.open:
+            self.histograms.setdefault(key, []).append(row)
 
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
-        self.extra[key] = value.detach().double().reshape(1)
+        if self.open:
+            self.extra[key] = value.detach().double().reshape(1)
 
     def clear(self) -> None:
         self.moments, self.histograms, self.extra = {}, {}, {}
+        self.open = False
+
+    def reduce(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], keys: list[Key]) -> None:
+        """Pool the moment rows under ``keys`` across processes (before :meth:`fetch`).
+
+        ``reduce(tensor, op)`` is a collective with ``op`` in ``"sum"``, ``"max"`` that every
+        process calls with the same ``keys`` (missing rows count as empty).
+        """
+        if not keys:
+            return
+        device = next((rows[0].device for rows in self.moments.values()), torch.device("cpu"))
+        empty = torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=device)
+        table = torch.stack([combine(self.moments[k]) if k in self.moments else empty for k in keys])
+        summed = reduce(table.clone(), "sum")
+        summed[:, _ABS_MAX] = reduce(table[:, _ABS_MAX].contiguous(), "max")
+        for key, row in zip(keys, summed, strict=True):
+            self.moments[key] = [row]
 
     def fetch(self) -> tuple[dict[Key, list[float]], dict[Key, Histogram], dict[Key, float]]:
         """Combine, move everything to the host in one copy, and empty the batch."""
@@ -162,7 +189,7 @@ class StatBatch:
         for key, value in self.extra.items():
             parts.append(value)
             layout.append(("x", key, 1))
-        self.clear()
+        self.clear()  # closes the batch too
         if not parts:
             return {}, {}, {}
         device = parts[0].device

@@ -74,6 +74,7 @@ def test_histogram_samples_large_tensors() -> None:
 
 def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = StatBatch()
+    batch.start()
     for i in range(5):
         batch.add_moments(("act", f"layer{i}"), moments(torch.randn(10)))
         batch.add_moments(("act", f"layer{i}"), moments(torch.randn(3)))
@@ -91,6 +92,17 @@ def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch
     assert rows[("act", "layer0")][0] == 13
     assert len(hists) == 5
     assert extra == {("ratio", "w"): 0.5}
+    assert len(batch) == 0
+
+
+def test_closed_batch_takes_nothing() -> None:
+    batch = StatBatch()
+    batch.add_moments(("act", "late"), moments(torch.ones(2)))
+    assert len(batch) == 0
+    batch.start()
+    batch.add_moments(("act", "x"), moments(torch.ones(2)))
+    batch.fetch()
+    batch.add_moments(("act", "late"), moments(torch.ones(2)))
     assert len(batch) == 0
 
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -14,7 +15,7 @@ from typing_extensions import override
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, label
 from lightning_hooks._sink import Sink
-from lightning_hooks._stats import Histogram, StatBatch, derive
+from lightning_hooks._stats import Histogram, Key, StatBatch, derive
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -76,18 +77,36 @@ class HookCallback(Callback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         raise NotImplementedError
 
-    def _detach(self) -> None:
+    def _remove_hooks(self) -> None:
         self._step_handles.remove()
         self._handles.remove()
         self._modules = []
+
+    def _detach(self) -> None:
+        """End of a fit, however it ended: hooks go, per-fit state is reset."""
+        self._remove_hooks()
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process or saved must not drag the model along.
         return {**self.__dict__, "_modules": []}
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # Two instances of one callback with different selections keep separate checkpoint state.
+        selector = self.selector
+        return self._generate_state_key(
+            include=selector.include,
+            exclude=selector.exclude,
+            types=selector.types,
+            max_depth=selector.max_depth,
+            log_every_n_steps=self.log_every_n_steps,
+        )
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._detach()
+        # Checkpointed state was restored before this hook: keep it, only start the hooks afresh.
+        self._remove_hooks()
         self._modules = self.selector.select(pl_module)
         self._attach(trainer, pl_module, self._modules)
 
@@ -183,6 +202,7 @@ class StatsCallback(HookCallback):
             return
         if self._armed is None and self.is_logging_step(trainer):
             self._armed = trainer.global_step
+            self._batch.start()
         if self._armed is not None:
             self._arm_step(trainer, pl_module)
 
@@ -191,9 +211,30 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
+        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         if self._armed is not None and trainer.global_step != self._armed:
             step, self._armed = self._armed, None
             self._emit(trainer, step)
+
+    def _pool_across_ranks(self, trainer: pl.Trainer, groups: set[str]) -> None:
+        """Make the moment rows of ``groups`` global: every rank saw its own shard of the batch.
+
+        One object all-gather to agree on the keys (data-dependent paths can differ between ranks),
+        then one sum and one max all-reduce, on logging steps only. Every rank must call this.
+        """
+        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        mine = sorted(key for key in self._batch.moments if key[0] in groups)
+        gathered: list[list[Key] | None] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        keys: list[Key] = sorted({(group, name) for keys in gathered for group, name in keys or []})
+        strategy = trainer.strategy
+
+        def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+            reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
+            return strategy.reduce(tensor, reduce_op=reduce_op)
+
+        self._batch.reduce(reduce, keys)
 
     def _log_rows(self, trainer: pl.Trainer, prefix: str, rows: dict[str, list[float]], step: int) -> None:
         metrics = {

@@ -40,7 +40,10 @@ class ActivationStats(StatsCallback):
 
     On a logging step, a forward hook on each selected module reduces every floating-point tensor
     of its output (nested outputs too) to a few numbers on the device; all of them reach the host
-    in one transfer after the optimizer step and are logged at that step. A module called several
+    in one transfer after the optimizer step and are logged at that step. Under DDP each rank
+    sees its own shard of the batch: the figures are pooled across ranks (sums and maxima of the
+    moments, one collective each) so that rank zero logs those of the whole global batch;
+    histograms are rank zero's own. A module called several
     times, and all micro-batches of an accumulated step, are pooled into one figure. On other
     steps no hook is attached. Validation, sanity check and the forward that activation
     checkpointing re-runs in backward are never counted.
@@ -100,6 +103,7 @@ class ActivationStats(StatsCallback):
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        self._pool_across_ranks(trainer, {"act"})
         rows, hists, _ = self._batch.fetch()
         self._log_rows(trainer, "act_", {name: row for (_, name), row in rows.items()}, step)
         self._log_histograms(trainer, "act/", {name: h for (_, name), h in hists.items()}, step)

@@ -54,18 +54,14 @@ class _GradReader:
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each watched parameter."""
 
-    def __init__(
-        self, owner: GradStats, before: dict[str, tuple[nn.Parameter, torch.Tensor]], trainer: pl.Trainer
-    ) -> None:
-        self.owner, self.before, self.trainer = owner, before, trainer
+    def __init__(self, batch: StatBatch, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
+        self.batch, self.before = batch, before
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for name, (param, old) in self.before.items():
+        before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
+        for name, (param, old) in before.items():
             ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
-            self.owner._batch.add_scalar(("ratio", name), ratio)
-        self.before = {}
-        self.owner._ratio_handles.remove()
-        self.owner._flush(self.trainer)
+            self.batch.add_scalar(("ratio", name), ratio)
 
 
 class GradStats(StatsCallback):
@@ -152,7 +148,7 @@ class GradStats(StatsCallback):
         self._params: list[tuple[str, nn.Parameter]] = []
         self._scaler: torch.amp.GradScaler | None = None
         self._ratio_handles = HookHandles()
-        self._read_params_at: int | None = None
+        self._read: set[int] = set()
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -165,7 +161,7 @@ class GradStats(StatsCallback):
                     seen.add(id(param))
                     self._params.append((f"{name}.{pname}" if name else pname, param))
         self._scaler = loss_scaler(trainer)
-        self._read_params_at = None
+        self._read = set()
 
     @override
     def _detach(self) -> None:
@@ -181,43 +177,48 @@ class GradStats(StatsCallback):
             self._step_handles.add(module.register_forward_hook(_OutputGradHook(self._batch, name, self._scaler)))
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        was_armed = self._armed is not None
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._armed is not None and not was_armed:
+            self._read = set()
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not (self.param_grads and self._enabled) or self._armed != trainer.global_step:
+        # Called once per optimizer step (after unscaling, accumulation and the DDP all-reduce); with
+        # several optimizers (manual optimization), each reads the parameters it is about to update.
+        if not (self.param_grads and self._enabled) or self._armed is None:
             return
-        if self._read_params_at == trainer.global_step:
-            return  # a second optimizer in the same step: its parameters were read with the first
-        self._read_params_at = trainer.global_step
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
         for name, param in self._params:
-            if param.grad is None:
+            if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
                 continue
+            self._read.add(id(param))
             self._batch.add_moments(("param", name), moments(param.grad))
             if self.histograms:
                 self._batch.add_histogram(("param", name), histogram(param.grad, self.bins))
-            if self.update_ratio and id(param) in in_optimizer:
+            if self.update_ratio:
                 before[name] = (param, param.detach().clone())
         if before:
-            self._ratio_handles.add(optimizer.register_step_post_hook(_UpdateRatio(self, before, trainer)))
+            self._ratio_handles.add(optimizer.register_step_post_hook(_UpdateRatio(self._batch, before)))
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # An optimizer step that was skipped (AMP overflow) never calls the update-ratio hook.
+        # A skipped optimizer step (AMP overflow) never calls the update-ratio hook: drop it here.
         self._ratio_handles.remove()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def _flush(self, trainer: pl.Trainer) -> None:
-        """Called by the update-ratio hook right after the optimizer step: log without waiting for batch end."""
-        if self._armed is not None:
-            step, self._armed = self._armed, None
-            self._emit(trainer, step)
-
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        # Parameter gradients are already all-reduced; layer output gradients are per rank.
+        self._pool_across_ranks(trainer, {"out"})
         rows, hists, extra = self._batch.fetch()
         params = {name: row for (group, name), row in rows.items() if group == "param"}
         outputs = {name: row for (group, name), row in rows.items() if group == "out"}

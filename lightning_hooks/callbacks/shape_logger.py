@@ -77,13 +77,22 @@ class ShapeLogger(HookCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._recorder = ShapeRecorder()
         self._params = {name: parameter_count(module) for name, module in modules}
-        self._logged, self._last_batch = set(), None
+        self._last_batch = None
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._recorder.active = False
         self._recorder.clear()
+        self._logged = set()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"logged_tables": sorted(self._logged)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._logged = set(state_dict.get("logged_tables", []))
 
     @override
     def on_train_batch_start(
