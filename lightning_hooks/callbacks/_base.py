@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
@@ -35,6 +36,42 @@ def check_positive_float(owner: str, arg: str, value: object) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive finite number.")
     return float(value)
+
+
+def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def refuse_sharded(strategy: object, what: str, fix: str) -> None:
+    """Refuse strategies that shard parameters (FSDP, ModelParallel): tensor hooks on sharded
+    ``DTensor`` parameters do not fire, and a shard's gradient is not the parameter's gradient."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+        raise MisconfigurationException(
+            f"{what} does not support `strategy={type(strategy).__name__}`: parameters are sharded, so per-parameter "
+            f"gradient hooks do not fire and a shard's gradient is not the parameter's. Either {fix} or use DDP."
+        )
+
+
+@overload
+def trainable_parameters(modules: list[tuple[str, nn.Module]], named: Literal[False] = False) -> list[nn.Parameter]: ...
+@overload
+def trainable_parameters(
+    modules: list[tuple[str, nn.Module]], named: Literal[True]
+) -> list[tuple[str, nn.Parameter]]: ...
+def trainable_parameters(modules: list[tuple[str, nn.Module]], named: bool = False) -> list[Any]:
+    """The parameters owned by ``modules`` that require grad, each shared parameter once, qualified by name."""
+    seen: set[int] = set()
+    found: list[tuple[str, nn.Parameter]] = []
+    for name, module in modules:
+        for pname, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                found.append((f"{name}.{pname}" if name else pname, param))
+    return found if named else [param for _, param in found]
 
 
 class HookCallback(Callback):

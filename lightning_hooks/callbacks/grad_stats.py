@@ -13,19 +13,19 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shapes import in_backward
 from lightning_hooks._stats import STATS, Key, StatBatch, derive, histogram, moments
-from lightning_hooks.callbacks._base import StatsCallback, output_label
+from lightning_hooks.callbacks._base import (
+    StatsCallback,
+    loss_scaler,
+    output_label,
+    refuse_sharded,
+    trainable_parameters,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
 OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
-
-
-def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
-    """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
 
 class _OutputGradHook:
@@ -153,15 +153,14 @@ class GradStats(StatsCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         super()._attach(trainer, pl_module, modules)
-        seen: set[int] = set()
-        self._params = []
-        for name, module in modules:
-            for pname, param in module.named_parameters(recurse=False):
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    self._params.append((f"{name}.{pname}" if name else pname, param))
+        self._params = trainable_parameters(modules, named=True)
         self._scaler = loss_scaler(trainer)
         self._read = set()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.param_grads:
+            refuse_sharded(trainer.strategy, "`GradStats(param_grads=True)`", "set `param_grads=False`")
 
     @override
     def _detach(self) -> None:
