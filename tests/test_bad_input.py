@@ -47,3 +47,23 @@ def test_log_every_n_steps_must_be_positive(cls: type, every: object) -> None:
 def test_selection_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         ShapeLogger(**kwargs)
+
+
+def test_grad_clamp_mode() -> None:
+    with pytest.raises(ValueError, match=r"`GradClamp` got `mode='sum'`; `mode` must be 'backward' or 'accumulated'"):
+        GradClamp(0.2, mode="sum")  # type: ignore[arg-type]
+
+
+def test_sharded_strategies_are_refused_with_the_fix() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_hooks.callbacks._base import refuse_sharded
+
+    # FSDP needs a GPU to run; the strategy object itself is real and is what `setup` inspects.
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"`GradClamp\(mode='backward'\)` does not support .*FSDPStrategy.*use `mode='accumulated'`",
+    ):
+        refuse_sharded(FSDPStrategy(), "`GradClamp(mode='backward')`", "use `mode='accumulated'`")
+    refuse_sharded(DDPStrategy(), "`GradClamp(mode='backward')`", "use `mode='accumulated'`")
