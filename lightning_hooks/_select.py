@@ -2,7 +2,8 @@
 
 Names are qualified names relative to the model passed in (``""`` is the model itself). Wrappers
 added by ``torch.compile`` are looked through: ``encoder._orig_mod.layer`` is reported as
-``encoder.layer``.
+``encoder.layer``. ``torchmetrics`` metrics, which are modules but not part of the computation,
+are never selected.
 """
 
 from __future__ import annotations
@@ -141,14 +142,25 @@ def depth(name: str) -> int:
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` with ``torch.compile`` wrappers looked through.
+    """``model.named_modules()`` with ``torch.compile`` wrappers looked through and metrics left out.
 
     A compiled module (``OptimizedModule``) is not yielded itself; the module it wraps is yielded
     under the wrapper's name, so that ``self.encoder = torch.compile(encoder)`` keeps the name
     ``encoder`` and its children keep ``encoder.<child>``.
     """
+    metrics: list[str] = []
     for name, module in model.named_modules():
+        if any(name == m or name.startswith(m + ".") for m in metrics):
+            continue
+        if _is_metric(module):
+            metrics.append(name)
+            continue
         parts = [p for p in name.split(".") if p != _COMPILE_WRAPPER] if name else []
         if hasattr(module, _COMPILE_WRAPPER) and isinstance(getattr(module, _COMPILE_WRAPPER), nn.Module):
             continue
         yield ".".join(parts), module
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """torchmetrics metrics are modules for device placement only; they are not part of the model."""
+    return any(cls.__module__.split(".")[0] == "torchmetrics" for cls in type(module).__mro__)

@@ -79,3 +79,11 @@ def test_depth_and_label() -> None:
     assert [depth(n) for n in ("", "a", "a.b")] == [0, 1, 2]
     assert label("") == "root"
     assert label("a.b") == "a.b"
+
+
+def test_torchmetrics_metrics_are_not_selected() -> None:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    net = Net()
+    net.acc = MulticlassAccuracy(num_classes=3)
+    assert "acc" not in [name for name, _ in ModuleSelector().select(net)]

@@ -74,6 +74,35 @@ def trainable_parameters(modules: list[tuple[str, nn.Module]], named: bool = Fal
     return found if named else [param for _, param in found]
 
 
+_SILENT_REPORTED: set[tuple[int, tuple[str, ...]]] = set()
+
+
+def report_silent_modules(
+    pl_module: nn.Module, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
+) -> None:
+    """Warn, once per model and set of names whichever callback finds them, about selected
+    modules whose hooks did not fire during a recorded training step."""
+    silent = tuple(name for name, _ in selected if name not in fired)
+    if not silent or (id(pl_module), silent) in _SILENT_REPORTED:
+        return
+    _SILENT_REPORTED.add((id(pl_module), silent))
+    shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
+    compiled = any(hasattr(m, "_orig_mod") for m in pl_module.modules())
+    compile_hint = (
+        "This model contains torch.compile'd modules: compiled code ignores hooks attached after it was first "
+        "compiled; set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before `fit` so that it recompiles "
+        "when hooks come and go. "
+        if compiled
+        else ""
+    )
+    rank_zero_warn(
+        f"lightning_hooks: {len(silent)} selected module(s) never ran in training step {step}, so there is nothing "
+        f"to show for them: {shown}. {compile_hint}Other causes: a module unused in `forward`, or a fused fast path "
+        f"that skips submodules (`nn.TransformerEncoder` in eval mode). Leave them out with `exclude=[...]` or "
+        f"`types=[...]` to silence this."
+    )
+
+
 class HookCallback(Callback):
     """Base of the callbacks: hooks attach in ``on_fit_start`` and leave on every exit path.
 
@@ -208,6 +237,8 @@ class StatsCallback(HookCallback):
         self._batch = StatBatch()
         self._armed: int | None = None
         self._enabled = True
+        self._fired: set[str] = set()
+        self._fired_checked = False
 
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
@@ -215,10 +246,17 @@ class StatsCallback(HookCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         raise NotImplementedError
 
+    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
+        """After the first recorded step of a fit, name the selected modules whose hooks never fired."""
+        if not self._fired_checked:
+            self._fired_checked = True
+            report_silent_modules(trainer.lightning_module, self._modules, self._fired, step)
+
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._batch.clear()
         self._armed = None
+        self._fired, self._fired_checked = set(), False
         self._enabled = bool(trainer.loggers)
         if not self._enabled:
             rank_zero_warn(

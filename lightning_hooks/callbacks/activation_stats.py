@@ -20,12 +20,13 @@ ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_
 
 
 class _ActivationHook:
-    def __init__(self, batch: StatBatch, name: str, histograms: bool, bins: int) -> None:
-        self.batch, self.name, self.histograms, self.bins = batch, name, histograms, bins
+    def __init__(self, batch: StatBatch, name: str, histograms: bool, bins: int, fired: set[str]) -> None:
+        self.batch, self.name, self.histograms, self.bins, self.fired = batch, name, histograms, bins, fired
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
             return
+        self.fired.add(self.name)
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -98,11 +99,12 @@ class ActivationStats(StatsCallback):
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for name, module in self._modules:
-            hook = _ActivationHook(self._batch, name, self.histograms, self.bins)
+            hook = _ActivationHook(self._batch, name, self.histograms, self.bins, self._fired)
             self._step_handles.add(module.register_forward_hook(hook))
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        self._check_fired(trainer, step)
         self._pool_across_ranks(trainer, {"act"})
         rows, hists, _ = self._batch.fetch()
         self._log_rows(trainer, "act_", {name: row for (_, name), row in rows.items()}, step)

@@ -31,11 +31,14 @@ OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
 class _OutputGradHook:
     """Forward hook: registers a tensor hook on each output that will receive a gradient."""
 
-    def __init__(self, batch: StatBatch, name: str, scaler: torch.amp.GradScaler | None) -> None:
-        self.batch, self.name, self.scaler = batch, name, scaler
+    def __init__(self, batch: StatBatch, name: str, scaler: torch.amp.GradScaler | None, fired: set[str]) -> None:
+        self.batch, self.name, self.scaler, self.fired = batch, name, scaler, fired
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward() or not torch.is_grad_enabled():
+        if in_backward():
+            return
+        self.fired.add(self.name)
+        if not torch.is_grad_enabled():
             return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
@@ -173,7 +176,9 @@ class GradStats(StatsCallback):
         if not self.output_grads:
             return
         for name, module in self._modules:
-            self._step_handles.add(module.register_forward_hook(_OutputGradHook(self._batch, name, self._scaler)))
+            self._step_handles.add(
+                module.register_forward_hook(_OutputGradHook(self._batch, name, self._scaler, self._fired))
+            )
 
     @override
     def on_train_batch_start(
@@ -216,6 +221,8 @@ class GradStats(StatsCallback):
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        if self.output_grads:
+            self._check_fired(trainer, step)
         # Parameter gradients are already all-reduced; layer output gradients are per rank.
         self._pool_across_ranks(trainer, {"out"})
         rows, hists, extra = self._batch.fetch()

@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
 from lightning_hooks._shapes import ShapeRecorder, format_markdown, format_table, parameter_count
 from lightning_hooks._sink import echo
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, report_silent_modules
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -117,6 +117,8 @@ class ShapeLogger(HookCallback):
         if not recorder.active:
             return
         recorder.active = False
+        if not self._logged:  # the first table of this fit
+            report_silent_modules(pl_module, self._modules, {row.name for row in recorder.rows}, self._step)
         table = recorder.table()
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:

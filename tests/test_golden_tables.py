@@ -1,0 +1,39 @@
+"""The printed shape table, against golden files (regenerate with `pytest --update-golden`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from examples.numnet import NumDataModule, NumNet
+from lightning_hooks import ShapeLogger
+from tests.helpers import make_trainer
+from tests.zoo import ResNetish
+
+GOLDEN = Path(__file__).with_name("golden")
+
+
+def printed_table(tmp_path: Path, model: pl.LightningModule, capsys: pytest.CaptureFixture[str], **fit: object) -> str:
+    make_trainer(tmp_path, [ShapeLogger()], logger=False, max_steps=1).fit(model, **fit)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    return out[out.index("ShapeLogger:") :]
+
+
+@pytest.mark.parametrize("name", ["numnet", "resnetish"])
+def test_printed_table_matches_golden(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], update_golden: bool, name: str
+) -> None:
+    torch.manual_seed(0)
+    if name == "numnet":
+        table = printed_table(tmp_path, NumNet(), capsys, datamodule=NumDataModule())
+    else:
+        table = printed_table(tmp_path, ResNetish(), capsys)
+    golden = GOLDEN / f"{name}.txt"
+    if update_golden:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(table)
+    assert golden.exists(), f"{golden} is missing: run `pytest --update-golden` once and review it"
+    assert table == golden.read_text()
