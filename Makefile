@@ -1,6 +1,7 @@
 # One command to set up and run the main job, one to run the tests.
 #   make demo   - build .venv, train the digits CNN with ShapeLogger + GradClamp
 #   make test   - build .venv, run the test suite
+#   make bench  - build .venv, measure the callbacks' overhead (about 10 minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,6 +29,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) benchmarks/overhead.py
 
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir lightning_logs --host 127.0.0.1

@@ -193,7 +193,7 @@ class StatBatch:
         if not parts:
             return {}, {}, {}
         device = parts[0].device
-        flat = torch.cat([p.to(device) for p in parts]).cpu().tolist()  # the one host transfer
+        flat = torch.cat([p.to(device) for p in parts]).tolist()  # the one host transfer
         moment_rows: dict[Key, list[float]] = {}
         hists: dict[Key, Histogram] = {}
         scalars: dict[Key, float] = {}

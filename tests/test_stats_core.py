@@ -87,7 +87,7 @@ def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch
             torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k)
         )
     rows, hists, extra = batch.fetch()
-    assert calls == ["cpu", "tolist"]
+    assert calls == ["tolist"]
     assert len(rows) == 5
     assert rows[("act", "layer0")][0] == 13
     assert len(hists) == 5
