@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from examples.resnet import Block
+
 
 class ZooModule(pl.LightningModule):
     input_shape: tuple[int, ...] = (4,)
@@ -47,25 +49,6 @@ class ZooModule(pl.LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
 
 
-class BasicBlock(nn.Module):
-    """Conv-BN-ReLU(inplace)-Conv-BN, ``out += identity``, the same ReLU module used twice."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += identity
-        return self.relu(out)
-
-
 class ResNetish(ZooModule):
     input_shape = (1, 8, 8)
     probe = "layer1.0.conv1"
@@ -75,7 +58,7 @@ class ResNetish(ZooModule):
         self.stem = nn.Sequential(
             nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace)
         )
-        self.layer1 = nn.Sequential(BasicBlock(4), BasicBlock(4))
+        self.layer1 = nn.Sequential(Block(4), Block(4))  # in-place ReLU, residual +=, one ReLU used twice
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4, self.classes)
         if not inplace:
