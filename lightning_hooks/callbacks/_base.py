@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
@@ -56,14 +56,9 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
         )
 
 
-@overload
-def trainable_parameters(modules: list[tuple[str, nn.Module]], named: Literal[False] = False) -> list[nn.Parameter]: ...
-@overload
-def trainable_parameters(
-    modules: list[tuple[str, nn.Module]], named: Literal[True]
-) -> list[tuple[str, nn.Parameter]]: ...
-def trainable_parameters(modules: list[tuple[str, nn.Module]], named: bool = False) -> list[Any]:
-    """The parameters owned by ``modules`` that require grad, each shared parameter once, qualified by name."""
+def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """``(qualified name, parameter)`` for the parameters owned by ``modules`` that require grad,
+    each shared parameter once, under its first name."""
     seen: set[int] = set()
     found: list[tuple[str, nn.Parameter]] = []
     for name, module in modules:
@@ -71,7 +66,7 @@ def trainable_parameters(modules: list[tuple[str, nn.Module]], named: bool = Fal
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
                 found.append((f"{name}.{pname}" if name else pname, param))
-    return found if named else [param for _, param in found]
+    return found
 
 
 _SILENT_REPORTED: set[tuple[int, tuple[str, ...]]] = set()

@@ -151,7 +151,7 @@ class GradClamp(HookCallback):
         self._count = _ClampCount()
         self._step = None
         self._scaler = loss_scaler(trainer)
-        self._params = trainable_parameters(modules)
+        self._params = [param for _, param in trainable_parameters(modules)]
         if self.mode == "backward":
             for param in self._params:
                 self._handles.add(param.register_hook(_ClampHook(self.value, self._count, self._scaler)))

@@ -156,7 +156,7 @@ class GradStats(StatsCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         super()._attach(trainer, pl_module, modules)
-        self._params = trainable_parameters(modules, named=True)
+        self._params = trainable_parameters(modules)
         self._scaler = loss_scaler(trainer)
         self._read = set()
 
