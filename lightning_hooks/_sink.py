@@ -72,6 +72,9 @@ class Sink:
                 # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
                 summary = text_summary(tag, text)
                 summary.value[0].tag = tag
+                # A scalar string, not a 1-element vector: TensorBoard renders a vector as a table of
+                # cells, which would frame a markdown table inside another one.
+                summary.value[0].tensor.tensor_shape.ClearField("dim")
                 writer._get_file_writer().add_summary(summary, step)
             else:  # pragma: no cover - tensorboardX writer
                 writer.add_text(tag, text, global_step=step)
