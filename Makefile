@@ -1,13 +1,14 @@
 # One command to set up and run the main job, one to run the tests.
 #   make demo   - build .venv, train the digits CNN with ShapeLogger + GradClamp
 #   make test   - build .venv, run the test suite
+#   make screenshot - regenerate the README's TensorBoard pictures in docs/ (needs Debian's chromium)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is all the demo and the tests need; install it before anything asks for torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench tensorboard clean
+.PHONY: setup demo test lint bench tensorboard screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +32,9 @@ lint: setup
 
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir lightning_logs --host 127.0.0.1
+
+screenshot: setup
+	$(PY) -m docs.screenshot
 
 clean:
 	rm -rf $(VENV) lightning_logs *.egg-info
