@@ -47,6 +47,29 @@ class LateLayer(TinyNet):
         return out + self.late(out) if self.global_step >= 2 else out
 
 
+class DeepNet(TinyNet):
+    """A TinyNet with 16 small blocks between its layers: 38 parameters, more than one chart holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(16)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.act(self.fc1(x))))
+
+
+def test_a_deep_model_gets_charts_split_by_module_with_at_most_24_lines_each(tmp_path: Path) -> None:
+    make_trainer(tmp_path, [GradStats(output_grads=False, update_ratio=False)], max_steps=1).fit(DeepNet())
+    charts = charts_of(layouts(tmp_path)[-1][1])
+    tags = [t for t in events(tmp_path).Tags()["scalars"] if t.startswith("grad_norm/")]
+    assert len(tags) == 36  # fc1, head and 16 blocks, weight and bias each (fc2 never runs)
+    norm_charts = {title: rx for title, rx in charts.items() if "gradient L2 norm by parameter · " in title}
+    assert len(norm_charts) >= 2
+    on_chart = {title: [t for t in tags if any(re.match(r, t) for r in rx)] for title, rx in norm_charts.items()}
+    assert sorted(t for chosen in on_chart.values() for t in chosen) == sorted(tags)
+    assert all(0 < len(chosen) <= 24 for chosen in on_chart.values())
+
+
 def test_one_layout_for_the_run_puts_every_logged_statistic_tag_on_exactly_one_chart(tmp_path: Path) -> None:
     callbacks = [GradStats(log_every_n_steps=2), ActivationStats(log_every_n_steps=2)]
     make_trainer(tmp_path, callbacks, max_steps=5).fit(TinyNet())
