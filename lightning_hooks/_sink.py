@@ -95,9 +95,12 @@ class Sink:
                 global_step=step,
             )
 
-    def wants_figures(self, trainer: pl.Trainer) -> bool:
-        """Whether :meth:`image` would write anywhere: on rank zero, with a TensorBoard logger (warns once if not)."""
-        return trainer.is_global_zero and bool(self._tensorboards(trainer, "figures"))
+    def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
+        """Whether :meth:`image` would write anywhere: on rank zero, with a TensorBoard logger.
+
+        Without one, warns once when ``warn`` (figures that were asked for, not merely on by default).
+        """
+        return trainer.is_global_zero and bool(self._tensorboards(trainer, "figures", warn=warn))
 
     @rank_zero_only
     def image(self, trainer: pl.Trainer, tag: str, image: NDArray[np.uint8], step: int) -> None:

@@ -45,8 +45,9 @@ class Dashboard:
     The callback hands over the moment rows it logs (:meth:`add_rows`) and calls :meth:`publish`
     at the end of every training batch. On a step that logged, ``publish`` has the sink write the
     run's layout when new tags appeared, and, when the step is a multiple of the figure period,
-    draws the figures of the rows (rank zero only, TensorBoard only). Without matplotlib it warns
-    once and draws nothing; training goes on.
+    draws the figures of the rows (rank zero only, TensorBoard only: without a TensorBoard logger
+    it warns once if ``figure_every_n_steps`` was given, and is silent for the default). Without
+    matplotlib it warns once and draws nothing; training goes on.
     """
 
     def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None) -> None:
@@ -88,7 +89,7 @@ class Dashboard:
         self.sink.layout(trainer, step)
         if not rows or step % self.figure_every(log_every) or not self._can_draw:
             return
-        if not self.sink.wants_figures(trainer):
+        if not self.sink.wants_figures(trainer, warn=self.figure_every_n_steps is not None):
             return
         for prefix, prefix_rows in rows.items():
             tag, draw = FIGURES[prefix]
