@@ -1,14 +1,15 @@
 # One command to set up and run the main job, one to run the tests.
-#   make demo   - build .venv, train the digits CNN with ShapeLogger + GradClamp
+#   make demo   - build .venv, train the digits CNN with all four callbacks (configs/digits.yaml)
 #   make test   - build .venv, run the test suite
 #   make bench  - build .venv, measure the callbacks' overhead (about 10 minutes)
+#   make screenshot - regenerate the README's TensorBoard pictures in docs/ (needs Debian's chromium)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is all the demo and the tests need; install it before anything asks for torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench tensorboard clean
+.PHONY: setup demo test lint bench tensorboard screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +36,9 @@ bench: setup
 
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir lightning_logs --host 127.0.0.1
+
+screenshot: setup
+	$(PY) -m docs.screenshot
 
 clean:
 	rm -rf $(VENV) lightning_logs *.egg-info

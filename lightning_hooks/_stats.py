@@ -21,14 +21,14 @@ STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
 Key = tuple[str, str]
 """``(group, name)``: what a row is of, e.g. ``("param", "fc1.weight")``."""
 
-_COUNT, _SUM, _SUMSQ, _ABS_MAX, _ZEROS, _NONFINITE = range(6)
-MOMENT_WIDTH = 6
+_COUNT, _SUM, _SUMSQ, _ABS_MAX, _ZEROS, _NONFINITE, _ABS_SUM = range(7)
+MOMENT_WIDTH = 7
 HIST_SAMPLE = 1 << 16
 """Histograms count at most this many elements of a tensor (an even stride through it)."""
 
 
 def moments(t: torch.Tensor) -> torch.Tensor:
-    """A float64 row ``[count, sum, sum_sq, abs_max, zeros, nonfinite]`` on ``t``'s device.
+    """A float64 row ``[count, sum, sum_sq, abs_max, zeros, nonfinite, abs_sum]`` on ``t``'s device.
 
     ``sum`` and ``sum_sq`` are rebuilt from the float32 mean and (population) variance, which
     torch computes accurately, so that rows of different tensors add up exactly.
@@ -50,6 +50,7 @@ def moments(t: torch.Tensor) -> torch.Tensor:
             xf.abs().amax().double(),
             (xf == 0).sum().double(),
             (~torch.isfinite(xf)).sum().double(),
+            xf.abs().sum().double(),  # abs_sum: the mean |x| of the gradient-flow figure
         ]
     )
 
@@ -79,6 +80,11 @@ def derive(row: Sequence[float], stats: Sequence[str] = STATS) -> dict[str, floa
         "nonfinite": row[_NONFINITE],
     }
     return {name: values[name] for name in stats}
+
+
+def abs_mean(row: Sequence[float]) -> float:
+    """Mean absolute value of a combined moment row (``nan`` for an empty row); the gradient-flow figure's bars."""
+    return row[_ABS_SUM] / row[_COUNT] if row[_COUNT] else math.nan
 
 
 def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:

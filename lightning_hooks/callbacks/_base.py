@@ -17,17 +17,20 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, label
 from lightning_hooks._sink import Sink
 from lightning_hooks._stats import Histogram, Key, StatBatch, derive
+from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def check_positive_int(owner: str, arg: str, value: object, *, allow_none: bool = True) -> None:
+def check_positive_int(
+    owner: str, arg: str, value: object, *, allow_none: bool = True, none: str = "use the Trainer's `log_every_n_steps`"
+) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        none = " or None (use the Trainer's `log_every_n_steps`)" if allow_none else ""
-        raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive integer{none}.")
+        hint = f" or None ({none})" if allow_none else ""
+        raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive integer{hint}.")
 
 
 def check_positive_float(owner: str, arg: str, value: object) -> float:
@@ -194,6 +197,8 @@ class StatsCallback(HookCallback):
 
     ``_arm_step`` attaches the observing hooks at the start of each training batch of a logging
     step (they are removed at its end); ``_emit`` fetches and logs once the optimizer has stepped.
+    The moment rows it logs also feed the TensorBoard custom-scalars layout of the run and, every
+    ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks._dashboard.Dashboard`).
     """
 
     bins = 64
@@ -209,11 +214,17 @@ class StatsCallback(HookCallback):
         exclude: list[str] | None,
         types: list[str] | None,
         max_depth: int | None,
+        figure_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
         owner = type(self).__name__
+        check_positive_int(
+            owner, "figure_every_n_steps", figure_every_n_steps, none=f"{FIGURE_PERIOD_FACTOR} × the logging period"
+        )
+        self.figure_every_n_steps = figure_every_n_steps
+        self._dashboard = Dashboard(owner, self._sink, figure_every_n_steps)
         if stats is not None:
             if isinstance(stats, str) or not isinstance(stats, Sequence):
                 raise TypeError(
@@ -253,6 +264,7 @@ class StatsCallback(HookCallback):
         self._armed = None
         self._fired, self._fired_checked = set(), False
         self._enabled = bool(trainer.loggers)
+        self._dashboard.start(self.every(trainer))
         if not self._enabled:
             rank_zero_warn(
                 f"`{type(self).__name__}` has no logger to write to (`Trainer(logger=False)`); it does nothing."
@@ -263,6 +275,7 @@ class StatsCallback(HookCallback):
         super()._detach()
         self._batch.clear()
         self._armed = None
+        self._dashboard.reset()
 
     @override
     def on_train_batch_start(
@@ -285,6 +298,7 @@ class StatsCallback(HookCallback):
         if self._armed is not None and trainer.global_step != self._armed:
             step, self._armed = self._armed, None
             self._emit(trainer, step)
+        self._dashboard.publish(trainer, self.every(trainer))
 
     def _pool_across_ranks(self, trainer: pl.Trainer, groups: set[str]) -> None:
         """Make the moment rows of ``groups`` global: every rank saw its own shard of the batch.
@@ -313,6 +327,7 @@ class StatsCallback(HookCallback):
             for stat, value in derive(row, self.stats).items()
         }
         self._sink.scalars(trainer, metrics, step)
+        self._dashboard.add_rows(prefix, rows, step)
 
     def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[str, Histogram], step: int) -> None:
         for key, hist in hists.items():

@@ -56,6 +56,7 @@ class ActivationStats(StatsCallback):
     * ``act_zero_frac/<layer>``: share of exact zeros, the dead-ReLU detector
     * ``act_nonfinite/<layer>``: how many values are NaN or Inf
     * ``act/<layer>``: histogram (TensorBoard only), when ``histograms=True``
+    * ``figures/activation_zero_frac``: image (TensorBoard only), every ``figure_every_n_steps``
 
     Args:
         log_every_n_steps: Logging period in optimizer steps; ``None`` uses the Trainer's.
@@ -67,6 +68,9 @@ class ActivationStats(StatsCallback):
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
+        figure_every_n_steps: Draw ``figures/activation_zero_frac`` (each layer's share of zeros,
+            in call order) on logging steps that are multiples of this; ``None`` means every 10
+            logging periods. Needs matplotlib (the ``plots`` extra).
 
     Example::
 
@@ -84,6 +88,7 @@ class ActivationStats(StatsCallback):
         exclude: list[str] | None = None,
         types: list[str] | None = None,
         max_depth: int | None = None,
+        figure_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps,
@@ -94,6 +99,7 @@ class ActivationStats(StatsCallback):
             exclude=exclude,
             types=types,
             max_depth=max_depth,
+            figure_every_n_steps=figure_every_n_steps,
         )
 
     @override

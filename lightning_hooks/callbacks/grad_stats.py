@@ -91,6 +91,7 @@ class GradStats(StatsCallback):
       ``grad_zero_frac/…``, ``grad_nonfinite/…``; ``grad_norm_total`` over all watched parameters
     * ``update_ratio/<param>``: ``||Δw|| / ||w||`` across the optimizer step
     * ``grad/<param>``: histogram (TensorBoard only), when ``histograms=True``
+    * ``figures/gradient_flow``: image (TensorBoard only), every ``figure_every_n_steps``
     * ``out_grad_norm/<layer>``, ``out_grad_abs_max/<layer>``, ``out_grad_nonfinite/<layer>``
 
     Args:
@@ -107,6 +108,9 @@ class GradStats(StatsCallback):
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
+        figure_every_n_steps: Draw ``figures/gradient_flow`` (mean and max ``|gradient|`` of each
+            layer's parameters, in model order) on logging steps that are multiples of this;
+            ``None`` means every 10 logging periods. Needs matplotlib (the ``plots`` extra).
 
     Example::
 
@@ -127,6 +131,7 @@ class GradStats(StatsCallback):
         exclude: list[str] | None = None,
         types: list[str] | None = None,
         max_depth: int | None = None,
+        figure_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps,
@@ -137,6 +142,7 @@ class GradStats(StatsCallback):
             exclude=exclude,
             types=types,
             max_depth=max_depth,
+            figure_every_n_steps=figure_every_n_steps,
         )
         for arg, value in (
             ("param_grads", param_grads),

@@ -1,0 +1,106 @@
+"""What a statistics callback adds to TensorBoard besides its scalars: the layout and the figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_hooks import _figures
+from lightning_hooks._sink import Sink
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import numpy as np
+    from numpy.typing import NDArray
+
+Rows = Mapping[str, Sequence[float]]
+
+
+def _gradient_flow(rows: Rows, step: int) -> NDArray[np.uint8] | None:
+    layers, mean_abs, max_abs = _figures.gradient_flow_series(rows)
+    return _figures.render_gradient_flow(layers, mean_abs, max_abs, step) if layers else None
+
+
+def _zero_fraction(rows: Rows, step: int) -> NDArray[np.uint8] | None:
+    layers, values = _figures.zero_fraction_series(rows)
+    return _figures.render_zero_fraction(layers, values, step) if layers else None
+
+
+FIGURES: dict[str, tuple[str, Callable[[Rows, int], NDArray[np.uint8] | None]]] = {
+    "grad_": ("figures/gradient_flow", _gradient_flow),
+    "act_": ("figures/activation_zero_frac", _zero_fraction),
+}
+"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, draw)}``."""
+
+FIGURE_PERIOD_FACTOR = 10
+"""Without ``figure_every_n_steps``, figures are drawn every this many logging periods."""
+
+
+class Dashboard:
+    """The custom-scalars layout and the figures of one statistics callback.
+
+    The callback hands over the moment rows it logs (:meth:`add_rows`) and calls :meth:`publish`
+    at the end of every training batch. On a step that logged, ``publish`` has the sink write the
+    run's layout when new tags appeared, and, when the step is a multiple of the figure period,
+    draws the figures of the rows (rank zero only, TensorBoard only: without a TensorBoard logger
+    it warns once if ``figure_every_n_steps`` was given, and is silent for the default). Without
+    matplotlib it warns once and draws nothing; training goes on.
+    """
+
+    def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None) -> None:
+        self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
+        self._rows: dict[str, Rows] = {}
+        self._step: int | None = None
+        self._can_draw = True
+
+    def figure_every(self, log_every: int) -> int:
+        """The figure period in optimizer steps, for a logging period of ``log_every``."""
+        return self.figure_every_n_steps or FIGURE_PERIOD_FACTOR * log_every
+
+    def start(self, log_every: int) -> None:
+        """A fit starts: forget pending rows; warn if figures cannot fall on every figure period."""
+        self.reset()
+        every = self.figure_every(log_every)
+        if every % log_every:
+            both = every * log_every // math.gcd(every, log_every)
+            rank_zero_warn(
+                f"`{self.owner}` got `figure_every_n_steps={every}`, which is not a multiple of the logging period "
+                f"({log_every} steps); figures are drawn on logging steps only, so every {both} steps."
+            )
+
+    def reset(self) -> None:
+        self._rows, self._step = {}, None
+
+    def add_rows(self, prefix: str, rows: Rows, step: int) -> None:
+        """The moment rows just logged under ``prefix`` at ``step``."""
+        if prefix in FIGURES and rows:
+            self._rows[prefix] = dict(rows)
+        self._step = step
+
+    def publish(self, trainer: pl.Trainer, log_every: int) -> None:
+        """Write what the rows handed over since the last call make; a no-op on steps that logged nothing."""
+        step, rows = self._step, self._rows
+        self.reset()
+        if step is None:
+            return
+        self.sink.layout(trainer, step)
+        if not rows or step % self.figure_every(log_every) or not self._can_draw:
+            return
+        if not self.sink.wants_figures(trainer, warn=self.figure_every_n_steps is not None):
+            return
+        for prefix, prefix_rows in rows.items():
+            tag, draw = FIGURES[prefix]
+            try:
+                image = draw(prefix_rows, step)
+            except ImportError:
+                self._can_draw = False
+                rank_zero_warn(
+                    f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
+                    f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
+                )
+                return
+            if image is not None:
+                self.sink.image(trainer, tag, image, step)
