@@ -35,7 +35,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -66,9 +66,11 @@ def severity(low: float, high: float) -> int:
     return INF if math.isinf(low) or math.isinf(high) else FINITE
 
 
-@dataclass(frozen=True)
-class Reading:
-    """What is known of one tensor: its range, its size and how many of its values are not finite."""
+class Reading(NamedTuple):
+    """What is known of one tensor: its range, its size and how many of its values are not finite.
+
+    A named tuple, not a dataclass: one is made per measured tensor, on the hot path.
+    """
 
     min: float
     max: float
@@ -85,11 +87,6 @@ class Reading:
     def bad(self) -> str:
         """``12 of 64 values are NaN`` (the kind shown is the worst present)."""
         return f"{self.nonfinite:,} of {self.numel:,} values are {'NaN' if self.severity == NAN else 'Inf'}"
-
-
-def measurable(t: torch.Tensor) -> bool:
-    """Dense floating-point tensors with values; anything else counts as finite."""
-    return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
 
 
 class Readings:
@@ -115,8 +112,11 @@ class Readings:
         return len(self._items)
 
     def take(self, t: torch.Tensor) -> int | None:
-        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` if ``t`` is not measured."""
-        if not measurable(t):
+        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` if ``t`` is not measured.
+
+        Dense floating-point tensors with values are measured; anything else counts as finite.
+        """
+        if not (t.is_floating_point() and t.layout == torch.strided and t.numel()):
             return None
         x = t.detach()
         low, high = torch.aminmax(x)
@@ -381,6 +381,8 @@ class NonFiniteRecorder:
         The values of ``extra`` are returned as floats.
         """
         readings, rest = self.readings.read(extra)
+        if not any(r.nonfinite for r in readings):  # the usual case, decided without building anything
+            return None, rest
         finding = self._forward(readings) or self._loss(readings) or self._backward(readings)
         return finding, rest
 
@@ -544,26 +546,31 @@ def find_nonfinite(
 
 
 def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """One 0-d tensor per gradient, finite exactly when the gradient is: its largest absolute value.
+    """One 0-d tensor per gradient, finite whenever the gradient is: its 2-norm.
 
-    One fused call for all of them (``torch._foreach_norm`` with ``ord=inf``, which propagates NaN).
+    One fused call for all of them (``torch._foreach_norm``, what ``clip_grad_norm_`` uses); the
+    2-norm measured 2-3 times faster than the inf-norm. A NaN or Inf makes the norm non-finite;
+    so can finite values whose squares overflow, which :func:`parameter_readings` sorts out.
     """
     grads = [g for _, g in named]
-    return list(torch._foreach_norm(grads, math.inf)) if grads else []
+    return list(torch._foreach_norm(grads, 2)) if grads else []
 
 
 def parameter_readings(
     named: Sequence[tuple[str, torch.Tensor]], norms: Sequence[float]
 ) -> tuple[tuple[str, Reading], ...]:
-    """The readings of the gradients whose ``norms`` (from :func:`grad_readings`) are not finite.
+    """The readings of the gradients that hold NaN or Inf, among those whose ``norms`` (from
+    :func:`grad_readings`) are not finite.
 
-    Counting reads each non-finite gradient again: a cost paid only when something is wrong.
+    Counting reads each such gradient again: a cost paid only when something is wrong.
     """
-    bad = [(name, g) for (name, g), n in zip(named, norms, strict=True) if not math.isfinite(n)]
     out: list[tuple[str, Reading]] = []
-    for name, g in bad:
-        low, high = torch.aminmax(g.detach())
-        out.append((name, Reading(low.item(), high.item(), g.numel(), int(nonfinite_count(g)))))
+    for (name, g), norm in zip(named, norms, strict=True):
+        if not math.isfinite(norm):
+            count = int(nonfinite_count(g))
+            if count:  # not a finite gradient whose squares overflowed
+                low, high = torch.aminmax(g.detach())
+                out.append((name, Reading(low.item(), high.item(), g.numel(), count)))
     return tuple(out)
 
 

@@ -222,10 +222,15 @@ def test_a_healthy_model_and_an_activation_checkpoint_report_nothing() -> None:
 
 
 def test_parameter_gradients_are_read_in_one_call_and_counted_only_when_bad() -> None:
-    grads = [("w", torch.tensor([1.0, NaN, Inf])), ("b", torch.tensor([2.0, -3.0]))]
+    grads = [
+        ("w", torch.tensor([1.0, NaN, Inf])),
+        ("b", torch.tensor([3.0, -4.0])),
+        ("big", torch.tensor([3e38, 3e38])),  # finite, but the squares of its norm overflow
+    ]
     norms = torch.stack(grad_readings(grads)).tolist()
     assert math.isnan(norms[0])
-    assert norms[1] == 3.0
+    assert norms[1] == 5.0
+    assert norms[2] == Inf
     ((name, reading),) = parameter_readings(grads, norms)
     assert (name, reading.nonfinite, reading.numel) == ("w", 2, 3)
 

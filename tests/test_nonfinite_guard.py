@@ -217,6 +217,26 @@ def test_only_every_nth_step_is_checked(tmp_path: Path) -> None:
     assert sorted(texts(tmp_path, TEXT_TAG)) == [3]  # the NaN at step 1 is not seen
 
 
+class HookSpy(pl.Callback):
+    """How many forward hooks ``fc1`` holds at the start of each training batch."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.hooks[trainer.global_step] = len(pl_module.fc1._forward_hooks)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_hooks_are_on_for_checked_steps_only_and_validation_changes_nothing(tmp_path: Path, every: int) -> None:
+    guard, spy = CountingGuard(check_every_n_steps=every), HookSpy()
+    trainer = make_trainer(tmp_path, [guard, spy], max_steps=7, val_check_interval=2, limit_val_batches=2)
+    trainer.fit(TinyNet())
+    assert spy.hooks == {step: int(step % every == 0) for step in range(7)}
+    # Validation ran between checked steps, with the hooks on when every=1: each check measured the same.
+    assert len(set(guard.measured.values())) == 1
+
+
 def test_gradient_accumulation_reports_the_micro_batch(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"step 1, batch 3"):
         make_trainer(tmp_path, [NonFiniteGuard()], accumulate_grad_batches=2).fit(ChainNet(Log(), bad_batches=(3,)))

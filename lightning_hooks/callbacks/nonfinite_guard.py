@@ -175,7 +175,9 @@ class NonFiniteGuard(HookCallback):
             self._recorder.active = True
         if self._armed is not None:
             self._recorder.batch_idx = batch_idx
-            self._recorder.attach(self._modules, self._step_handles)
+            self._recorder.active = True
+            if not len(self._step_handles):  # still on when the previous step was checked too
+                self._recorder.attach(self._modules, self._step_handles)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -197,12 +199,16 @@ class NonFiniteGuard(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._step_handles.remove()
-        if self._armed is None or (pl_module.automatic_optimization and trainer.global_step == self._armed):
-            return  # not checking, or more micro-batches of this optimizer step are to come
-        if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
-            self._check(trainer, None)
-        self._disarm()
+        self._recorder.active = False  # what runs until the next batch (validation) is not recorded
+        if self._armed is not None and not (
+            pl_module.automatic_optimization and trainer.global_step == self._armed
+        ):  # the checked step is over, unless more micro-batches of it are to come
+            if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
+                self._check(trainer, None)
+            self._disarm()
+        if self._armed is None and not self.is_logging_step(trainer):
+            # Re-registering the hooks for the very next step would cost more than keeping them.
+            self._step_handles.remove()
 
     def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None) -> None:
         """Read the step (one transfer), decide, and act on what was found."""
