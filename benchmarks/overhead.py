@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,11 @@ WORKLOADS: dict[str, Callable[[], tuple[pl.LightningModule, pl.LightningDataModu
 }
 
 
-def variants(value: float) -> dict[str, tuple[Callable[[], list[pl.Callback]], dict[str, Any]]]:
+Variants = dict[str, tuple[Callable[[], list[pl.Callback]], dict[str, Any]]]
+"""Name to (a factory of the callbacks, extra Trainer arguments)."""
+
+
+def variants(value: float) -> Variants:
     return {
         "lightning": (lambda: [], {}),
         "ShapeLogger": (lambda: [ShapeLogger()], {}),
@@ -88,33 +93,51 @@ def run_once(
     return timer.times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    import logging
+def interleaved(
+    workload: str, table: Variants, repeats: int, steps: int, every: int, root: str
+) -> Iterator[tuple[str, list[tuple[int, float]]]]:
+    """``(variant, step times of one fit)``, the variants taking turns (A B C A B C ...) ``repeats`` times."""
+    for _ in range(repeats):
+        for name, (make_callbacks, kwargs) in table.items():
+            yield name, run_once(workload, make_callbacks(), kwargs, steps, every, root)
 
+
+def arguments(description: str | None, steps: int) -> argparse.ArgumentParser:
+    """The options every benchmark here takes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    return parser
+
+
+def machine() -> str:
+    """What the figures were measured with."""
+    return f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads"
+
+
+def silence() -> None:
+    """No warnings and no Lightning chatter between the figures."""
+    warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+def main() -> None:
+    parser = arguments(__doc__, steps=120)
+    parser.add_argument("--every", type=int, default=50)
+    args = parser.parse_args()
+    silence()
     table = variants(0.2)
-    print(
-        f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads, "
-        f"{args.repeats} repeats x {args.steps} steps, log_every_n_steps={args.every}"
-    )
+    print(f"{machine()}, {args.repeats} repeats x {args.steps} steps, log_every_n_steps={args.every}")
     with tempfile.TemporaryDirectory() as root:
         for workload in args.workloads:
             all_steps: dict[str, list[float]] = {name: [] for name in table}
             quiet_steps: dict[str, list[float]] = {name: [] for name in table}
-            for _ in range(args.repeats):
-                for name, (make_callbacks, kwargs) in table.items():
-                    times = run_once(workload, make_callbacks(), kwargs, args.steps, args.every, root)
-                    times = [(s, t) for s, t in times if s >= args.warmup]
-                    all_steps[name].append(statistics.mean(t for _, t in times))
-                    quiet_steps[name].append(statistics.median(t for s, t in times if s % args.every))
+            for name, times in interleaved(workload, table, args.repeats, args.steps, args.every, root):
+                times = [(s, t) for s, t in times if s >= args.warmup]
+                all_steps[name].append(statistics.mean(t for _, t in times))
+                quiet_steps[name].append(statistics.median(t for s, t in times if s % args.every))
             base_all = statistics.median(all_steps["lightning"])
             base_quiet = statistics.median(quiet_steps["lightning"])
             print(f"\n{workload}: mean step {base_all * 1e3:.2f} ms without callbacks")
