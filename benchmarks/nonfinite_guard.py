@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import Variants, arguments, interleaved, machine, silence  # noqa: E402
+from overhead import Variants, arguments, interleaved, machine, prepare  # noqa: E402
 
 from lightning_hooks import NonFiniteGuard  # noqa: E402
 
@@ -31,7 +31,7 @@ VARIANTS: Variants = {
 
 def main() -> None:
     args = arguments(__doc__, steps=80).parse_args()
-    silence()
+    prepare(args)
     print(f"{machine()}, {args.repeats} repeats x {args.steps} steps (first {args.warmup} dropped)")
     with tempfile.TemporaryDirectory() as root:
         for workload in args.workloads:

@@ -109,6 +109,7 @@ def arguments(description: str | None, steps: int) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     return parser
 
 
@@ -117,8 +118,10 @@ def machine() -> str:
     return f"torch {torch.__version__}, lightning {pl.__version__}, {torch.get_num_threads()} threads"
 
 
-def silence() -> None:
-    """No warnings and no Lightning chatter between the figures."""
+def prepare(args: argparse.Namespace) -> None:
+    """Set the thread count asked for; no warnings and no Lightning chatter between the figures."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
@@ -127,7 +130,7 @@ def main() -> None:
     parser = arguments(__doc__, steps=120)
     parser.add_argument("--every", type=int, default=50)
     args = parser.parse_args()
-    silence()
+    prepare(args)
     table = variants(0.2)
     print(f"{machine()}, {args.repeats} repeats x {args.steps} steps, log_every_n_steps={args.every}")
     with tempfile.TemporaryDirectory() as root:
