@@ -64,8 +64,19 @@ def test_named_tensors_keeps_only_tensors_with_paths() -> None:
 @pytest.mark.parametrize("prefix", ["", "lstm.out"])
 @pytest.mark.parametrize(
     "value",
-    [T(2), (T(2),), (T(2), T(3)), (), Pair(T(1), T(2)), [T(1), T(2)]],
-    ids=["tensor", "1-tuple", "2-tuple", "empty", "namedtuple", "list"],
+    [
+        T(2),
+        (T(2),),
+        (T(2), None, T(3)),
+        (),
+        Pair(T(1), T(2)),
+        [T(1), 3, T(2)],
+        {"query": T(1), "attn_mask": None, "need_weights": False, "scale": 0.5, "b": T(2)},
+        {1: T(1), "x": "text"},
+        (T(1), (T(2),)),
+        {"h": [T(1)]},
+    ],
+    ids=["tensor", "1-tuple", "tuple-none", "empty", "namedtuple", "list", "kwargs", "int-key", "nested", "dict-list"],
 )
 def test_named_tensors_fast_path_gives_the_pytree_paths(value: object, prefix: str) -> None:
     found = named_tensors(value, prefix)

@@ -44,8 +44,9 @@ class NonFiniteGuard(HookCallback):
 
     A far cheaper ``torch.autograd.detect_anomaly`` that also watches forward: on a checked
     optimizer step (every ``check_every_n_steps``-th, from step 0, all micro-batches of it), each
-    selected module gets a forward pre-hook and a forward hook, removed again when the batch ends;
-    on other steps nothing is attached and nothing is computed.
+    selected module gets a forward pre-hook and a forward hook, removed when the step ends unless
+    the next step is checked too (then they stay, switched off between batches, as re-registering
+    them costs more); on steps that are not checked nothing is attached and nothing is computed.
 
     **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
     minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
@@ -73,7 +74,8 @@ class NonFiniteGuard(HookCallback):
     * backward: the first gradient, in the order autograd computes them, that is non-finite at
       a module's input while the gradients at its outputs were finite; an input several modules
       share gets the sum of their gradients, so all of them are named.
-    * every parameter whose gradient is non-finite, and the step and batch index.
+    * every parameter of the optimizer whose gradient is non-finite, selected module or not (a
+      NaN anywhere would reach the weights), and the step and batch index.
     * where nothing made them, where non-finite values first came in (the batch, the loss).
 
     **Actions.** ``raise``: logs the report to TensorBoard text ``nonfinite/first_layer``,
@@ -102,7 +104,8 @@ class NonFiniteGuard(HookCallback):
     Args:
         check_every_n_steps: Check every this many optimizer steps, from step 0.
         action: ``"raise"``, ``"warn"`` or ``"skip_step"``.
-        check_backward: Also check gradients (module inputs and outputs, and parameters).
+        check_backward: Also check gradients (module inputs and outputs, and parameters). Without,
+            a NaN gradient is seen one checked step later, as NaN made by the layer it reached.
         include: Glob patterns over qualified module names (``""`` is the LightningModule).
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
