@@ -278,9 +278,21 @@ def test_amp_scale_search_overflows_are_the_scalers_business(tmp_path: Path) -> 
     assert TEXT_TAG not in events(tmp_path).Tags()["tensors"]
 
 
-def test_amp_forward_findings_are_reported_with_the_scaler_mentioned(tmp_path: Path) -> None:
-    with pytest.raises(NonFiniteError, match=r"`layer3` \(Log\)[\s\S]*a GradScaler is active \(scale 65536\)"):
-        make_trainer(tmp_path, [NonFiniteGuard()], **amp()).fit(ChainNet(Log(), bad_batches=(0,)))
+@pytest.mark.parametrize("action", ["raise", "skip_step"])
+def test_amp_forward_findings_are_reported_with_the_scaler_mentioned(tmp_path: Path, action: str) -> None:
+    model = ChainNet(Log(), bad_batches=(1,), optimizer="adam")
+    trainer = make_trainer(tmp_path, [NonFiniteGuard(action=action)], **amp())
+    expected = r"`layer3` \(Log\)[\s\S]*a GradScaler is active \(scale 65536\) and will skip this step"
+    with (
+        pytest.raises(NonFiniteError, match=expected)
+        if action == "raise"
+        else pytest.warns(UserWarning, match=expected)
+    ):
+        trainer.fit(model)
+    assert "a GradScaler is active" in texts(tmp_path, TEXT_TAG)[1]
+    if action == "skip_step":
+        assert scalars(tmp_path, SKIPPED_TAG) == {1: 1.0}
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_the_model_pickles_while_the_hooks_are_on(tmp_path: Path) -> None:
