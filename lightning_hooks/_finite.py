@@ -391,7 +391,13 @@ class NonFiniteRecorder:
         The values of ``extra`` are returned as floats.
         """
         readings, rest = self.readings.read(extra)
-        if not any(r.nonfinite for r in readings):  # the usual case, decided without building anything
+        bad = {slot for slot, r in enumerate(readings) if r.nonfinite}
+        # The usual cases, decided without building anything: all finite, or only inputs are not (a mask).
+        if not bad or not (
+            any(slot in bad for slot in self.losses)
+            or any(slot in bad for _, slot in self.events)
+            or any(slot in bad for call in self.calls for _, slot in call.outputs)
+        ):
             return None, rest
         finding = self._forward(readings) or self._loss(readings) or self._backward(readings)
         return finding, rest
