@@ -264,7 +264,8 @@ class SometimesNothing(TinyNet):
 def test_manual_optimization_and_a_missing_loss(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"`layer3` \(Log\)[\s\S]*step 2, batch 2"):
         make_trainer(tmp_path / "manual", [NonFiniteGuard()]).fit(ManualChainNet(Log(), bad_batches=(2,)))
-    make_trainer(tmp_path / "none", [NonFiniteGuard()], logger=False).fit(SometimesNothing())
+    with pytest.warns(UserWarning, match=r"`training_step` returned `None`"):
+        make_trainer(tmp_path / "none", [NonFiniteGuard()], logger=False).fit(SometimesNothing())
 
 
 def amp(scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
