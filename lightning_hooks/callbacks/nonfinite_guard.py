@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -175,7 +176,6 @@ class NonFiniteGuard(HookCallback):
         if self._armed is None and self.is_logging_step(trainer):
             self._armed = trainer.global_step
             self._recorder.clear()
-            self._recorder.active = True
         if self._armed is not None:
             self._recorder.batch_idx = batch_idx
             self._recorder.active = True
@@ -245,9 +245,12 @@ class NonFiniteGuard(HookCallback):
         scaler_skips: bool,
     ) -> None:
         step = self._armed if self._armed is not None else trainer.global_step
-        lines = finding.lines(step) if finding is not None else [f"another rank found NaN/Inf at step {step}"]
-        if self._scaler is not None:
-            lines.append(self._scaler_note(finding, scaler_skips))
+        if finding is None:
+            lines = [f"another rank found NaN/Inf values at step {step}"]
+        else:
+            lines = finding.lines(step)
+            if self._scaler is not None:
+                lines.append(self._scaler_note(finding, scaler_skips))
         skip = self.action == "skip_step" and optimizer is not None
         if skip:
             lines.append("the optimizer step is skipped")
@@ -256,8 +259,7 @@ class NonFiniteGuard(HookCallback):
         if self.action == "raise":
             self._sink.flush(trainer)
             raise NonFiniteError(f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n" + "\n".join(lines), finding)
-        if skip:
-            assert optimizer is not None
+        if skip and optimizer is not None:
             _drop_gradients(optimizer)
             self._skipping = True
             self.skipped_steps += 1
@@ -272,10 +274,9 @@ class NonFiniteGuard(HookCallback):
                 f"TensorBoard text `{TEXT_TAG}`.)"
             )
 
-    def _scaler_note(self, finding: Finding | None, scaler_skips: bool) -> str:
-        assert self._scaler is not None
-        scale = self._scaler.get_scale()
-        if finding is not None and finding.phase in ("forward", "loss"):
+    def _scaler_note(self, finding: Finding, scaler_skips: bool) -> str:
+        scale = self._scaler.get_scale() if self._scaler is not None else math.nan
+        if finding.phase in ("forward", "loss"):
             skips = "will skip this step and lower its scale" if scaler_skips else "will not skip this step"
             return (
                 f"a GradScaler is active (scale {scale:g}) and {skips}; forward values do not depend on the scale, "
