@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from examples.digits import DigitsCNN, DigitsDataModule  # noqa: E402
 from examples.resnet import DigitsResNet  # noqa: E402
 from examples.transformer import TinyTransformerLM, TokenDataModule  # noqa: E402
-from lightning_hooks import ActivationStats, GradClamp, GradStats, ShapeLogger  # noqa: E402
+from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteGuard, ShapeLogger  # noqa: E402
 
 CLAMP = 0.2
 
@@ -77,7 +77,8 @@ def variants(frequencies: list[int]) -> list[Variant]:
             Variant(f"GradClamp @{every}", lambda e=every: [GradClamp(CLAMP, log_every_n_steps=e)], every=every),
             Variant(f"GradStats @{every}", lambda e=every: [GradStats(log_every_n_steps=e)], every=every),
             Variant(f"ActivationStats @{every}", lambda e=every: [ActivationStats(log_every_n_steps=e)], every=every),
-            Variant(f"all four @{every}", lambda e=every: all_four(e), every=every),
+            Variant(f"NonFiniteGuard @{every}", lambda e=every: [NonFiniteGuard(check_every_n_steps=e)], every=every),
+            Variant(f"all five @{every}", lambda e=every: all_five(e), every=every),
         ]
     found.append(Variant("gradient_clip_val", trainer={"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}))
     if _wandb_available():
@@ -85,12 +86,13 @@ def variants(frequencies: list[int]) -> list[Variant]:
     return found
 
 
-def all_four(every: int) -> list[pl.Callback]:
+def all_five(every: int) -> list[pl.Callback]:
     return [
         ShapeLogger(log_every_n_steps=every),
         GradClamp(CLAMP, log_every_n_steps=every),
         GradStats(log_every_n_steps=every),
         ActivationStats(log_every_n_steps=every),
+        NonFiniteGuard(check_every_n_steps=every),
     ]
 
 
@@ -294,7 +296,7 @@ def report(workload: str, table: list[Variant], args: argparse.Namespace, root: 
         ratios = f"{mean_all / base_all:.3f} | {quiet / base_quiet:.3f}"
         print(f"| {name} | {mean_all * 1e3:.2f} | {ratios} | {added} | {rss} |")
     if "wandb.watch(log='all') @50" in every_step:
-        ours = statistics.median(every_step["all four @50"]) - base_all
+        ours = statistics.median(every_step["all five @50"]) - base_all
         theirs = statistics.median(every_step["wandb.watch(log='all') @50"]) - statistics.median(
             every_step["wandb logger"]
         )

@@ -78,8 +78,31 @@ def _collect(obj: Any, prefix: str, out: list[tuple[str, Any]], level: int) -> N
             _collect(child, f"{name}.{key}" if name else key, out, level + 1)
 
 
+_FLAT = (torch.Tensor, bool, int, float, str, type(None))
+"""Values that are leaves to pytree, whatever is registered with it."""
+
+
 def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a nested structure with their dotted paths."""
+    """The tensors of a nested structure with their dotted paths.
+
+    What most modules take and return, a bare tensor or one plain tuple, list or dict of tensors
+    and scalars (``(out, None)``, ``{"0": x, "attn_mask": m, "need_weights": False}``), skips the
+    pytree walk (which costs 7 to 20 microseconds a call, too much for a hook on every step) and
+    gives the same paths it would.
+
+    Example::
+
+        >>> import torch
+        >>> [p for p, _ in named_tensors((torch.zeros(1), None, torch.ones(1)), prefix="lstm.out")]
+        ['lstm.out.0', 'lstm.out.2']
+    """
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    kind = type(obj)
+    if kind is tuple or kind is list or kind is dict:
+        items = list(obj.items() if kind is dict else enumerate(obj))
+        if all(isinstance(v, _FLAT) for _, v in items):
+            return [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in items if isinstance(v, torch.Tensor)]
     return [(p, v) for p, v in named_leaves(obj, prefix) if isinstance(v, torch.Tensor)]
 
 

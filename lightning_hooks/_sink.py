@@ -80,6 +80,13 @@ class Sink:
                 writer.add_text(tag, text, global_step=step)
 
     @rank_zero_only
+    def flush(self, trainer: pl.Trainer) -> None:
+        """Write what the TensorBoard loggers hold to disk now, e.g. before raising."""
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.flush()
+
+    @rank_zero_only
     def histogram(self, trainer: pl.Trainer, tag: str, hist: Histogram, step: int) -> None:
         """A histogram counted on device (see :func:`lightning_hooks._stats.histogram`)."""
         for board in self._tensorboards(trainer, "histograms"):

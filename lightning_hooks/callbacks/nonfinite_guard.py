@@ -1,0 +1,293 @@
+"""NonFiniteGuard: name the first layer that made a NaN or an Inf, forward or backward."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks._finite import (
+    Finding,
+    NonFiniteRecorder,
+    grad_readings,
+    parameter_readings,
+    with_parameters,
+)
+from lightning_hooks.callbacks._base import HookCallback, check_positive_int, loss_scaler
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+Action = Literal["raise", "warn", "skip_step"]
+ACTIONS: tuple[Action, ...] = ("raise", "warn", "skip_step")
+TEXT_TAG = "nonfinite/first_layer"
+SKIPPED_TAG = "nonfinite/skipped_steps"
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by ``NonFiniteGuard(action="raise")``; ``finding`` holds the report as data.
+
+    ``finding`` is ``None`` on a rank that found nothing itself when another rank did (DDP).
+    """
+
+    def __init__(self, message: str, finding: Finding | None) -> None:
+        super().__init__(message)
+        self.finding = finding
+
+
+class NonFiniteGuard(HookCallback):
+    """Name the first layer that made a NaN or an Inf, forward or backward, and stop, warn or skip the step.
+
+    A far cheaper ``torch.autograd.detect_anomaly`` that also watches forward: on a checked
+    optimizer step (every ``check_every_n_steps``-th, from step 0, all micro-batches of it), each
+    selected module gets a forward pre-hook and a forward hook, removed when the step ends unless
+    the next step is checked too (then they stay, switched off between batches, as re-registering
+    them costs more); on steps that are not checked nothing is attached and nothing is computed.
+
+    **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
+    minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
+    Inf shows in one), the forward hook does the same for each output, nested ones included. A
+    tensor already measured in the step and not changed since (an output that is the next
+    layer's input) is not measured again. With ``check_backward``, a tensor hook on each of those
+    tensors that requires grad measures its gradient in backward; the hook on an input is put on
+    in the pre-hook, so it sees the gradient with respect to the value the module was *given*
+    even when the module then modifies it in place (``ReLU(inplace=True)``), which
+    ``register_full_backward_hook`` cannot do. Nothing reaches the host until the checked step
+    ends: in ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping and the
+    optimizer step) every reading, the loss and one fused reading of all of the optimizer's
+    parameter gradients cross in one transfer.
+
+    **What it reports**, forward first, since a NaN loss makes every gradient NaN:
+
+    * forward: the first call, in the order calls *finish*, whose output holds a NaN while its
+      inputs hold none, or an Inf while its inputs are finite: its qualified name and class, the
+      output's path inside a nested output, how many values are bad, and the range of each input.
+      Containers finish after their children, so the leaf that made the value is named, not the
+      containers that pass it on; a container is named when its own code made it (``torch.log``
+      in its ``forward``). An Inf coming in (a ``-inf`` attention mask) does not excuse a NaN
+      going out: the module that turns a fully masked row into NaN is named.
+    * loss: all outputs finite but the loss is not.
+    * backward: the first gradient, in the order autograd computes them, that is non-finite at
+      a module's input while the gradients at its outputs were finite; an input several modules
+      share gets the sum of their gradients, so all of them are named.
+    * every parameter of the optimizer whose gradient is non-finite, selected module or not (a
+      NaN anywhere would reach the weights), and the step and batch index.
+    * where nothing made them, where non-finite values first came in (the batch, the loss).
+
+    **Actions.** ``raise``: logs the report to TensorBoard text ``nonfinite/first_layer``,
+    flushes the logger and raises :class:`NonFiniteError` (a ``FloatingPointError``) before the
+    weights change; Lightning then calls ``on_exception``, which removes every hook. ``warn``:
+    logs the report at every finding and warns once per layer. ``skip_step``: does what ``warn``
+    does, sets every gradient of the optimizer to ``None`` so that its step changes neither the
+    weights nor its state (momentum, Adam moments, step counts; zeros would still move them),
+    and logs the running count ``nonfinite/skipped_steps``. A step found bad in a batch without
+    an optimizer step (manual optimization) cannot be skipped; it is reported.
+
+    .. warning::
+        * **AMP with a GradScaler**: during the scale search, Inf gradients are normal and the
+          scaler skips those steps itself, so backward and parameter findings are reported only
+          when the scaler will take the step. Forward findings are always reported, saying that
+          a scaler is active: the forward pass does not depend on the scale (an fp16 overflow in
+          forward makes the scaler skip every step; ``bf16-mixed`` avoids it).
+        * **In-place ops outside modules** (``out += identity`` in a ``forward``) are seen as
+          made by the enclosing module; a module that creates a NaN *in place* in its input is
+          seen the same way.
+        * **Modules whose outputs are meant to be infinite** (one that builds a ``-inf`` mask)
+          are findings: leave them out with ``exclude``.
+        * **DDP**: each rank reports what it saw; ranks agree (one small all-reduce per checked
+          step) on whether to raise or skip, so that they stay in step.
+
+    Args:
+        check_every_n_steps: Check every this many optimizer steps, from step 0.
+        action: ``"raise"``, ``"warn"`` or ``"skip_step"``.
+        check_backward: Also check gradients (module inputs and outputs, and parameters). Without,
+            a NaN gradient is seen one checked step later, as NaN made by the layer it reached.
+        include: Glob patterns over qualified module names (``""`` is the LightningModule).
+        exclude: Glob patterns of modules to leave out.
+        types: Class names of modules to watch, matched along the class hierarchy.
+        max_depth: Watch modules at most this many levels below the LightningModule.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import NonFiniteGuard
+        >>> trainer = Trainer(callbacks=[NonFiniteGuard(action="skip_step")], logger=False)
+    """
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 1,
+        action: Action = "raise",
+        check_backward: bool = True,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        check_positive_int(owner, "check_every_n_steps", check_every_n_steps, allow_none=False)
+        if not isinstance(action, str) or action not in ACTIONS:
+            raise ValueError(
+                f"`{owner}` got `action={action!r}`; `action` must be one of {', '.join(repr(a) for a in ACTIONS)}."
+            )
+        if not isinstance(check_backward, bool):
+            raise TypeError(
+                f"`{owner}` got `check_backward={check_backward!r}`; `check_backward` must be True or False."
+            )
+        super().__init__(
+            log_every_n_steps=check_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
+        )
+        self.check_every_n_steps, self.action, self.check_backward = check_every_n_steps, action, check_backward
+        self.skipped_steps = 0
+        self._recorder = NonFiniteRecorder(check_backward)
+        self._armed: int | None = None
+        self._skipping = False
+        self._warned: set[str] = set()
+        self._scaler: torch.amp.GradScaler | None = None
+        self._param_names: dict[int, str] = {}
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        self._scaler = loss_scaler(trainer)
+        self._param_names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._warned = set()
+        self.skipped_steps = 0
+
+    @override
+    def _detach(self) -> None:
+        super()._detach()
+        self._disarm()
+        self._param_names = {}
+
+    def _disarm(self) -> None:
+        self._armed, self._skipping = None, False
+        self._recorder.active = False
+        self._recorder.clear()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._armed is None and self.is_logging_step(trainer):
+            self._armed = trainer.global_step
+            self._recorder.clear()
+        if self._armed is not None:
+            self._recorder.batch_idx = batch_idx
+            self._recorder.active = True
+            if not len(self._step_handles):  # still on when the previous step was checked too
+                self._recorder.attach(self._modules, self._step_handles)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._armed is not None:
+            self._recorder.record_loss(loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._armed is None:
+            return
+        if self._skipping:  # a further optimizer of a step already found bad
+            _drop_gradients(optimizer)
+            return
+        self._check(trainer, optimizer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._recorder.active = False  # what runs until the next batch (validation) is not recorded
+        if self._armed is not None and not (
+            pl_module.automatic_optimization and trainer.global_step == self._armed
+        ):  # the checked step is over, unless more micro-batches of it are to come
+            if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
+                self._check(trainer, None)
+            self._disarm()
+        if self._armed is None and not self.is_logging_step(trainer):
+            # Re-registering the hooks for the very next step would cost more than keeping them.
+            self._step_handles.remove()
+
+    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None) -> None:
+        """Read the step (one transfer), decide, and act on what was found."""
+        grads = self._gradients(optimizer) if self.check_backward and optimizer is not None else []
+        finding, norms = self._recorder.find(grad_readings(grads))
+        self._recorder.clear()
+        parameters = parameter_readings(grads, norms)
+        scaler_skips = self._scaler is not None and bool(parameters)
+        if scaler_skips:  # the scaler's own business: it skips the step and lowers its scale
+            finding = finding if finding is not None and finding.phase in ("forward", "loss") else None
+        else:
+            finding = with_parameters(finding, parameters)
+        found = finding is not None
+        if trainer.world_size > 1 and self.action != "warn":
+            found = trainer.strategy.reduce_boolean_decision(found, all=False)
+        if found:
+            self._act(trainer, finding, optimizer, scaler_skips)
+
+    def _gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (self._param_names.get(id(p), f"<parameter {i}>"), p.grad)
+            for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+            if p.grad is not None and p.grad.layout == torch.strided
+        ]
+
+    def _act(
+        self,
+        trainer: pl.Trainer,
+        finding: Finding | None,
+        optimizer: torch.optim.Optimizer | None,
+        scaler_skips: bool,
+    ) -> None:
+        step = self._armed if self._armed is not None else trainer.global_step
+        if finding is None:
+            lines = [f"another rank found NaN/Inf values at step {step}"]
+        else:
+            lines = finding.lines(step)
+            if self._scaler is not None:
+                lines.append(self._scaler_note(finding, scaler_skips))
+        skip = self.action == "skip_step" and optimizer is not None
+        if skip:
+            lines.append("the optimizer step is skipped")
+        if finding is not None:
+            self._sink.text(trainer, TEXT_TAG, "  \n".join(lines), step)
+        if self.action == "raise":
+            self._sink.flush(trainer)
+            raise NonFiniteError(f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n" + "\n".join(lines), finding)
+        if skip and optimizer is not None:
+            _drop_gradients(optimizer)
+            self._skipping = True
+            self.skipped_steps += 1
+            self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
+        key = f"{finding.phase}:{finding.layer}" if finding is not None else ""
+        if finding is not None and key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(
+                f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n"
+                + "\n".join(lines)
+                + f"\n(Not warned again for `{finding.layer}` ({finding.phase}); every finding is logged to "
+                f"TensorBoard text `{TEXT_TAG}`.)"
+            )
+
+    def _scaler_note(self, finding: Finding, scaler_skips: bool) -> str:
+        scale = self._scaler.get_scale() if self._scaler is not None else math.nan
+        if finding.phase in ("forward", "loss"):
+            skips = "will skip this step and lower its scale" if scaler_skips else "will not skip this step"
+            return (
+                f"a GradScaler is active (scale {scale:g}) and {skips}; forward values do not depend on the scale, "
+                f"so this is not a scale-search artefact (an fp16 overflow? `bf16-mixed` has the range of fp32)"
+            )
+        return (
+            f"a GradScaler is active (scale {scale:g}) but found the parameter gradients finite: it will take this step"
+        )
+
+
+def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Make the coming optimizer step a no-op: optimizers skip parameters whose ``grad`` is ``None``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
