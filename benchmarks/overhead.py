@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import io
 import logging
+import math
 import os
 import platform
 import resource
@@ -272,7 +273,8 @@ def report(workload: str, table: list[Variant], args: argparse.Namespace, root: 
         for variant in table:
             times = [(s, t, n) for s, t, n in run_once(workload, variant, args.steps, root) if s >= args.warmup]
             every_step[variant.name].append(statistics.mean(t for _, t, _ in times))
-            quiet_steps[variant.name].append(statistics.median(t for s, t, _ in times if s % variant.every))
+            quiet = [t for s, t, _ in times if s % variant.every]  # none when every step logs
+            quiet_steps[variant.name].append(statistics.median(quiet) if quiet else math.nan)
             logging_steps = [n for s, _, n in times if s % variant.every == 0]
             syncs[variant.name].append(statistics.median(logging_steps) if logging_steps else 0.0)
     base_all = statistics.median(every_step["lightning"])
@@ -293,7 +295,7 @@ def report(workload: str, table: list[Variant], args: argparse.Namespace, root: 
         mean_all, quiet = statistics.median(every_step[name]), statistics.median(quiet_steps[name])
         added = "" if variant.plain else f"{statistics.median(syncs[name]) - base_syncs:+.0f}"
         rss = f"{memory[name]:.0f}" if name in memory else ""
-        ratios = f"{mean_all / base_all:.3f} | {quiet / base_quiet:.3f}"
+        ratios = f"{mean_all / base_all:.3f} | " + ("—" if math.isnan(quiet) else f"{quiet / base_quiet:.3f}")
         print(f"| {name} | {mean_all * 1e3:.2f} | {ratios} | {added} | {rss} |")
     if "wandb.watch(log='all') @50" in every_step:
         ours = statistics.median(every_step["all five @50"]) - base_all
