@@ -8,7 +8,7 @@ whose first output tensor a test checks against an independent computation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +24,7 @@ class ZooModule(pl.LightningModule):
     input_shape: tuple[int, ...] = (4,)
     classes = 3
     probe = ""
+    call_kwargs: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, n: int = 32, batch_size: int = 8, lr: float = 0.05) -> None:
         super().__init__()
@@ -33,7 +34,7 @@ class ZooModule(pl.LightningModule):
         self.batch_size, self.lr = batch_size, lr
 
     def run(self, x: torch.Tensor) -> Any:
-        return self(x)
+        return self(x, **self.call_kwargs)
 
     def logits(self, out: Any) -> torch.Tensor:
         return out
@@ -155,15 +156,13 @@ class KwargsDictNet(ZooModule):
     """Keyword-only arguments in, a dict with a ``None`` out."""
 
     probe = "scale"
+    call_kwargs: ClassVar[dict[str, Any]] = {"temperature": 2.0}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fc = nn.Linear(4, 6)
         self.scale = Scale()
         self.head = nn.Linear(6, self.classes)
-
-    def run(self, x: torch.Tensor) -> Any:
-        return self(x, temperature=2.0)
 
     def forward(self, x: torch.Tensor, *, temperature: float) -> dict[str, Any]:
         h = self.scale(self.fc(x), factor=1 / temperature, bias=None)
