@@ -150,7 +150,7 @@ class Readings:
             device = tensors[0].device
             # Stack each kind apart: a count must not be cast to a half-precision bound's dtype.
             parts = [torch.stack([t.to(device) for t in group]).double() for group in (bounds, counts, extra) if group]
-            flat = torch.cat(parts).cpu().tolist()  # the one host transfer
+            flat = torch.cat(parts).tolist()  # the one host transfer
         readings = [item if isinstance(item, Reading) else Reading(0.0, 0.0, 0) for item in self._items]
         n = len(queued)
         for k, (i, item) in enumerate(queued):

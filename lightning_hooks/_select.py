@@ -156,9 +156,14 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             metrics.append(name)
             continue
         parts = [p for p in name.split(".") if p != _COMPILE_WRAPPER] if name else []
-        if hasattr(module, _COMPILE_WRAPPER) and isinstance(getattr(module, _COMPILE_WRAPPER), nn.Module):
+        if is_compile_wrapper(module):
             continue
         yield ".".join(parts), module
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile`` puts around a module (``OptimizedModule``)."""
+    return isinstance(getattr(module, _COMPILE_WRAPPER, None), nn.Module)
 
 
 def _is_metric(module: nn.Module) -> bool:

@@ -43,9 +43,6 @@ class Sink:
         self.tags: dict[str, None] = {}
         """Every scalar tag this sink has logged, in order (rank zero only)."""
 
-    def has_logger(self, trainer: pl.Trainer) -> bool:
-        return bool(trainer.loggers)
-
     def _tensorboards(self, trainer: pl.Trainer, kind: str, warn: bool = True) -> list[TensorBoardLogger]:
         boards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if warn and not boards and trainer.loggers and kind not in self._warned:

@@ -14,7 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks._handles import HookHandles
-from lightning_hooks._select import ModuleSelector, label
+from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
 from lightning_hooks._sink import Sink
 from lightning_hooks._stats import Histogram, Key, StatBatch, derive
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
@@ -85,7 +85,7 @@ def report_silent_modules(
         return
     _SILENT_REPORTED.add((id(pl_module), silent))
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compiled = any(hasattr(m, "_orig_mod") for m in pl_module.modules())
+    compiled = any(is_compile_wrapper(m) for m in pl_module.modules())
     compile_hint = (
         "This model contains torch.compile'd modules: compiled code ignores hooks attached after it was first "
         "compiled; set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before `fit` so that it recompiles "
