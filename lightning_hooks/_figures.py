@@ -129,11 +129,18 @@ def render_zero_fraction(layers: Sequence[str], zero_frac: Sequence[float], step
     return _pixels(figure)
 
 
-def _figure(n: int) -> tuple[Figure, Axes]:
+def require() -> None:
+    """Import matplotlib now (it takes a while the first time); ImportError with the fix if it is missing."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ImportError as err:
         raise ImportError(f"The figures need matplotlib: {INSTALL_HINT}") from err
+
+
+def _figure(n: int) -> tuple[Figure, Axes]:
+    require()
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(min(max(4 + 0.45 * n, 7), 24), 4.8), dpi=100, layout="constrained")
     axes = figure.add_subplot()
     axes.grid(axis="y", which="major", alpha=0.3)

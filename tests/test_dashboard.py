@@ -117,6 +117,18 @@ def test_figures_are_drawn_on_logging_steps_that_are_multiples_of_the_figure_per
     assert image.height >= 400
 
 
+def test_default_figures_stay_within_their_time_share_and_the_last_skipped_one_is_drawn_at_the_end(
+    tmp_path: Path,
+) -> None:
+    # TinyNet's 31 steps take far less than 99 times one figure's drawing time, so after the figure
+    # at step 0 the default period's figures at 10, 20 and 30 are skipped, and 30 is drawn when
+    # training ends; an explicit period is followed exactly.
+    callbacks = [GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1, figure_every_n_steps=10)]
+    make_trainer(tmp_path, callbacks, max_steps=31).fit(TinyNet())
+    assert image_steps(tmp_path, "figures/gradient_flow") == [0, 30]
+    assert image_steps(tmp_path, "figures/activation_zero_frac") == [0, 10, 20, 30]
+
+
 def test_a_figure_period_that_is_not_a_multiple_of_the_logging_period_warns_and_uses_both(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"`ActivationStats` got `figure_every_n_steps=3`.*so every 6 steps"):
         make_trainer(tmp_path, [ActivationStats(log_every_n_steps=2, figure_every_n_steps=3)], max_steps=13).fit(

@@ -300,6 +300,11 @@ class StatsCallback(HookCallback):
             self._emit(trainer, step)
         self._dashboard.publish(trainer, self.every(trainer))
 
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._enabled:
+            self._dashboard.finish(trainer)
+
     def _pool_across_ranks(self, trainer: pl.Trainer, groups: set[str]) -> None:
         """Make the moment rows of ``groups`` global: every rank saw its own shard of the batch.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,10 @@ FIGURES: dict[str, tuple[str, Callable[[Rows, int], NDArray[np.uint8] | None]]] 
 """Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, draw)}``."""
 
 FIGURE_PERIOD_FACTOR = 10
-"""Without ``figure_every_n_steps``, figures are drawn every this many logging periods."""
+"""Without ``figure_every_n_steps``, figures are drawn every this many logging periods..."""
+
+FIGURE_TIME_SHARE = 0.01
+"""... but no more often than keeps drawing them under this share of the fit's wall time."""
 
 
 class Dashboard:
@@ -48,6 +52,12 @@ class Dashboard:
     draws the figures of the rows (rank zero only, TensorBoard only: without a TensorBoard logger
     it warns once if ``figure_every_n_steps`` was given, and is silent for the default). Without
     matplotlib it warns once and draws nothing; training goes on.
+
+    A figure costs a tenth of a second or more of matplotlib, which on a small model is the time
+    of dozens of training steps. So with the default period a figure is skipped while the time
+    since the last one is under ``1 / FIGURE_TIME_SHARE - 1`` times what that one took to draw;
+    the last skipped one is drawn by :meth:`finish` at the end of training, so the dashboard
+    always shows the final state. An explicit ``figure_every_n_steps`` is followed exactly.
     """
 
     def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None) -> None:
@@ -55,6 +65,8 @@ class Dashboard:
         self._rows: dict[str, Rows] = {}
         self._step: int | None = None
         self._can_draw = True
+        self._skipped: tuple[int, dict[str, Rows]] | None = None
+        self._next_draw = -math.inf  # time.monotonic() from which a default-period figure may be drawn
 
     def figure_every(self, log_every: int) -> int:
         """The figure period in optimizer steps, for a logging period of ``log_every``."""
@@ -63,6 +75,7 @@ class Dashboard:
     def start(self, log_every: int) -> None:
         """A fit starts: forget pending rows; warn if figures cannot fall on every figure period."""
         self.reset()
+        self._skipped, self._next_draw = None, -math.inf
         every = self.figure_every(log_every)
         if every % log_every:
             both = every * log_every // math.gcd(every, log_every)
@@ -91,16 +104,32 @@ class Dashboard:
             return
         if not self.sink.wants_figures(trainer, warn=self.figure_every_n_steps is not None):
             return
+        if self.figure_every_n_steps is None and time.monotonic() < self._next_draw:
+            self._skipped = (step, rows)
+            return
+        self._draw(trainer, step, rows)
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Training ended: draw the last figure the time budget skipped, if no later one was drawn."""
+        if self._skipped is not None:
+            self._draw(trainer, *self._skipped)
+
+    def _draw(self, trainer: pl.Trainer, step: int, rows: Mapping[str, Rows]) -> None:
+        self._skipped = None
+        try:
+            _figures.require()
+        except ImportError:
+            self._can_draw = False
+            rank_zero_warn(
+                f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
+                f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
+            )
+            return
+        started = time.monotonic()
         for prefix, prefix_rows in rows.items():
             tag, draw = FIGURES[prefix]
-            try:
-                image = draw(prefix_rows, step)
-            except ImportError:
-                self._can_draw = False
-                rank_zero_warn(
-                    f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
-                    f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
-                )
-                return
+            image = draw(prefix_rows, step)
             if image is not None:
                 self.sink.image(trainer, tag, image, step)
+        finished = time.monotonic()
+        self._next_draw = finished + (finished - started) * (1 / FIGURE_TIME_SHARE - 1)

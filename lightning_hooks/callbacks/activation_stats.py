@@ -69,8 +69,9 @@ class ActivationStats(StatsCallback):
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
         figure_every_n_steps: Draw ``figures/activation_zero_frac`` (each layer's share of zeros,
-            in call order) on logging steps that are multiples of this; ``None`` means every 10
-            logging periods. Needs matplotlib (the ``plots`` extra).
+            in call order) on logging steps that are multiples of this. ``None``: every 10 logging
+            periods, skipping figures that would make drawing them take over 1 % of the fit's time
+            (the last skipped one is drawn when training ends). Needs matplotlib (the ``plots`` extra).
 
     Example::
 

@@ -109,8 +109,10 @@ class GradStats(StatsCallback):
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
         figure_every_n_steps: Draw ``figures/gradient_flow`` (mean and max ``|gradient|`` of each
-            layer's parameters, in model order) on logging steps that are multiples of this;
-            ``None`` means every 10 logging periods. Needs matplotlib (the ``plots`` extra).
+            layer's parameters, in model order) on logging steps that are multiples of this.
+            ``None``: every 10 logging periods, skipping figures that would make drawing them take
+            over 1 % of the fit's time (the last skipped one is drawn when training ends).
+            Needs matplotlib (the ``plots`` extra).
 
     Example::
 
