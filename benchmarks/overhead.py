@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import logging
 import math
 import os
+import pickle
 import platform
 import resource
 import statistics
@@ -71,9 +73,11 @@ class Variant:
 
 
 def variants(frequencies: list[int]) -> list[Variant]:
-    found = [Variant("plain PyTorch loop", plain=True), Variant("lightning")]
+    """Every variant at every frequency; the Trainer logs at the same frequency as the callbacks."""
+    found = [Variant("plain PyTorch loop", plain=True, every=max(frequencies))]
     for every in frequencies:
         found += [
+            Variant(baseline(every), every=every),
             Variant(f"ShapeLogger @{every}", lambda e=every: [ShapeLogger(log_every_n_steps=e)], every=every),
             Variant(f"GradClamp @{every}", lambda e=every: [GradClamp(CLAMP, log_every_n_steps=e)], every=every),
             Variant(f"GradStats @{every}", lambda e=every: [GradStats(log_every_n_steps=e)], every=every),
@@ -81,10 +85,20 @@ def variants(frequencies: list[int]) -> list[Variant]:
             Variant(f"NonFiniteGuard @{every}", lambda e=every: [NonFiniteGuard(check_every_n_steps=e)], every=every),
             Variant(f"all five @{every}", lambda e=every: all_five(e), every=every),
         ]
-    found.append(Variant("gradient_clip_val", trainer={"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}))
+    every = max(frequencies)
+    clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
+    found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
     if _wandb_available():
-        found += [Variant("wandb logger", wandb=True), Variant("wandb.watch(log='all') @50", wandb=True, watch=True)]
+        found += [
+            Variant(f"wandb logger @{every}", wandb=True, every=every),
+            Variant(f"wandb.watch(log='all') @{every}", wandb=True, watch=True, every=every),
+        ]
     return found
+
+
+def baseline(every: int) -> str:
+    """The name of the Lightning fit without callbacks that logs every ``every`` steps."""
+    return f"lightning @{every}"
 
 
 def all_five(every: int) -> list[pl.Callback]:
@@ -105,18 +119,51 @@ def _wandb_available() -> bool:
     return True
 
 
-class StepTimer(pl.Callback):
-    """Wall time of each training step, batch start to batch end, and host syncs inside it."""
+class StepProbe(pl.Callback):
+    """Measures each training step from its ``on_train_batch_start`` to the next one's.
+
+    Put first in the callback list, a step's figure covers every other callback's hooks for that
+    step, the optimizer step, Lightning's logging and the fetch of the next batch: what a whole
+    fit spends per step. ``measure`` and ``finish`` are called by the plain loop directly.
+    """
 
     def __init__(self) -> None:
-        self.times: list[tuple[int, float, int]] = []
+        self.steps: list[tuple[int, float, int]] = []  # (step, figure, host syncs)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._step, self._syncs = trainer.global_step, SYNCS.count
-        self._start = time.perf_counter()
+        self.measure(trainer.global_step)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.times.append((self._step, time.perf_counter() - self._start, SYNCS.count - self._syncs))
+    def measure(self, step: int) -> None:
+        raise NotImplementedError
+
+
+class StepTimer(StepProbe):
+    """Wall time of each step, and the host syncs inside it."""
+
+    def measure(self, step: int) -> None:
+        now, syncs = time.perf_counter(), SYNCS.count
+        if step > 0:
+            self.steps.append((step - 1, now - self._start, syncs - self._syncs))
+        self._start, self._syncs = now, syncs
+
+
+class StepInstructions(StepProbe):
+    """Instructions executed by each step in ``[first, first + count)``, counted by callgrind."""
+
+    def __init__(self, first: int, count: int) -> None:
+        from benchmarks._callgrind import InstructionMeter
+
+        super().__init__()
+        self.first, self.end = first, first + count
+        self._meter = InstructionMeter()
+
+    def measure(self, step: int) -> None:
+        if self.first < step <= self.end:
+            self.steps.append((step - 1, float(self._meter.mark(f"step {step - 1}")), 0))
+        if step == self.first:
+            self._meter.start()
+        elif step == self.end:
+            self._meter.stop()
 
 
 class SyncCounter:
@@ -158,22 +205,23 @@ def make_logger(variant: Variant, root: str, workload: str) -> Logger:
     return TensorBoardLogger(root, name=workload)
 
 
-def run_once(workload: str, variant: Variant, steps: int, root: str) -> list[tuple[int, float, int]]:
+def run_once(workload: str, variant: Variant, steps: int, root: str, probe: StepProbe) -> list[tuple[int, float, int]]:
+    """Train ``variant`` for ``steps`` measured steps (one more runs to close the last one)."""
     torch.manual_seed(0)
     model, data = WORKLOADS[workload]()
     if variant.plain:
-        return plain_loop(model, data, steps)
-    timer = StepTimer()
+        plain_loop(model, data, steps + 1, probe)
+        return probe.steps
     logger = make_logger(variant, root, workload)
     if variant.watch:
         logger.watch(model, log="all", log_freq=variant.every)  # type: ignore[attr-defined]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=steps,
+        max_steps=steps + 1,
         log_every_n_steps=variant.every,
         logger=logger,
-        callbacks=[*variant.callbacks(), timer],
+        callbacks=[probe, *variant.callbacks()],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -187,30 +235,54 @@ def run_once(workload: str, variant: Variant, steps: int, root: str) -> list[tup
         import wandb
 
         wandb.finish()
-    return timer.times
+    return probe.steps
 
 
-def plain_loop(model: pl.LightningModule, data: pl.LightningDataModule, steps: int) -> list[tuple[int, float, int]]:
+def plain_loop(model: pl.LightningModule, data: pl.LightningDataModule, steps: int, probe: StepProbe) -> None:
     """The limit: the same model, data and optimizer in a hand-written loop."""
     data.setup("fit")
     optimizer = model.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer)
     model.train()
-    times: list[tuple[int, float, int]] = []
     step = 0
     while step < steps:
         for x, y in data.train_dataloader():
-            start = time.perf_counter()
+            probe.measure(step)
             out = model(x)
             loss = F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten() if out.dim() > 2 else y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            times.append((step, time.perf_counter() - start, 0))
             step += 1
             if step >= steps:
                 break
-    return times
+
+
+def in_fork(work: Callable[[], Any]) -> Any:
+    """Run ``work`` in a forked child and return its result.
+
+    Each fit starts from the same state of the interpreter (imports done, no earlier fit's
+    garbage, allocator or thread pools), so a variant's place in the run order cannot favour it.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read)
+        status = 0
+        try:
+            payload = pickle.dumps(("ok", work()))
+        except BaseException as error:  # report anything, then leave without running the parent's cleanup
+            payload, status = pickle.dumps(("error", repr(error))), 1
+        with os.fdopen(write, "wb") as out:
+            out.write(payload)
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        kind, value = pickle.loads(pipe.read())
+    os.waitpid(pid, 0)
+    if kind == "error":
+        raise RuntimeError(f"a benchmark fit failed: {value}")
+    return value
 
 
 def peak_rss_mb(workload: str, variant: str, steps: int) -> float:
@@ -233,78 +305,202 @@ def quiet() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of every figure")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--frequencies", nargs="*", type=int, default=[1, 10, 50])
     parser.add_argument("--quick", action="store_true", help="3 repeats, 60 steps, frequency 50 only, no memory")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument(
+        "--instructions",
+        type=int,
+        metavar="N",
+        help="count instructions under valgrind's callgrind instead of timing: every variant logs every N steps "
+        "and steps N to 2N-1 are counted (see the docstring)",
+    )
     parser.add_argument("--memory-probe", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--count-child", nargs=2, metavar=("WORKLOAD", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     quiet()
     if args.quick:
         args.repeats, args.steps, args.frequencies, args.no_memory = 3, 60, [50], True
+    if args.instructions is not None:
+        args.frequencies = [args.instructions]
     table = variants(args.frequencies)
     if args.memory_probe:
         workload, name = args.memory_probe
         with tempfile.TemporaryDirectory() as root:
-            run_once(workload, next(v for v in table if v.name == name), args.steps, root)
+            run_once(workload, next(v for v in table if v.name == name), args.steps, root, StepTimer())
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return
-
-    print(
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"lightning {pl.__version__}, {torch.get_num_threads()} threads; {args.repeats} repeats x {args.steps} steps, "
-        f"first {args.warmup} left out"
-    )
+    if args.count_child:
+        count_child(*args.count_child, table, args.instructions)
+        return
     if not _wandb_available():
         print("wandb is not installed: the wandb.watch comparison is skipped (pip install 'lightning-hooks[bench]')")
+    if args.instructions is not None:
+        count_instructions(table, args)
+        return
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"lightning {pl.__version__}, {torch.get_num_threads()} threads; {args.repeats} repeats x {args.steps} steps "
+        f"per variant, each fit in a fresh fork, run order rotated per repeat, first {args.warmup} steps left out"
+    )
     with tempfile.TemporaryDirectory() as root, SYNCS.counting():
         for workload in args.workloads:
             report(workload, table, args, root)
 
 
+def summarise(steps: list[tuple[int, float, int]], every: int, warmup: int) -> tuple[float, float, float]:
+    """(mean per step, median per step that logs nothing, median host syncs per logging step) of one fit."""
+    kept = [(s, t, n) for s, t, n in steps if s >= warmup]
+    quiet = [t for s, t, _ in kept if s % every]  # none when every step logs
+    syncs = [n for s, _, n in kept if s % every == 0]
+    return (
+        statistics.mean(t for _, t, _ in kept),
+        statistics.median(quiet) if quiet else math.nan,
+        statistics.median(syncs) if syncs else 0.0,
+    )
+
+
 def report(workload: str, table: list[Variant], args: argparse.Namespace, root: str) -> None:
-    every_step: dict[str, list[float]] = {v.name: [] for v in table}
-    quiet_steps: dict[str, list[float]] = {v.name: [] for v in table}
-    syncs: dict[str, list[float]] = {v.name: [] for v in table}
-    for _ in range(args.repeats):
-        for variant in table:
-            times = [(s, t, n) for s, t, n in run_once(workload, variant, args.steps, root) if s >= args.warmup]
-            every_step[variant.name].append(statistics.mean(t for _, t, _ in times))
-            quiet = [t for s, t, _ in times if s % variant.every]  # none when every step logs
-            quiet_steps[variant.name].append(statistics.median(quiet) if quiet else math.nan)
-            logging_steps = [n for s, _, n in times if s % variant.every == 0]
-            syncs[variant.name].append(statistics.median(logging_steps) if logging_steps else 0.0)
-    base_all = statistics.median(every_step["lightning"])
-    base_quiet = statistics.median(quiet_steps["lightning"])
-    base_syncs = statistics.median(syncs["lightning"])
+    names = [v.name for v in table] + [f"{baseline(max(args.frequencies))}, again"]
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        for name in order:
+            variant = find(table, name)
+            steps = in_fork(lambda v=variant: run_once(workload, v, args.steps, root, StepTimer()))
+            runs[name].append(summarise(steps, variant.every, args.warmup))
+
+    def median(name: str, column: int) -> float:
+        return statistics.median(run[column] for run in runs[name])
+
     memory = {}
     if not args.no_memory:
         for variant in table:
-            if variant.every == 50:
+            if variant.every == max(args.frequencies):
                 memory[variant.name] = peak_rss_mb(workload, variant.name, args.steps)
-    print(f"\n### {workload}: {base_all * 1e3:.2f} ms per step in Lightning without callbacks\n")
+    reference = baseline(max(args.frequencies))
+    print(f"\n### {workload}: {median(reference, 0) * 1e3:.2f} ms per step in Lightning without callbacks\n")
     columns = ["variant", "ms/step", "× Lightning (all steps)", "× Lightning (steps that log nothing)"]
     columns += ["added host syncs per logging step", "peak RSS (MB)"]
     print("| " + " | ".join(columns) + " |")
     print("|---|---:|---:|---:|---:|---:|")
-    for variant in table:
-        name = variant.name
-        mean_all, quiet = statistics.median(every_step[name]), statistics.median(quiet_steps[name])
-        added = "" if variant.plain else f"{statistics.median(syncs[name]) - base_syncs:+.0f}"
+    for name in names:
+        variant = find(table, name)
+        base = baseline(variant.every)
+        whole, calm = median(name, 0) / median(base, 0), median(name, 1) / median(base, 1)
+        added = "" if variant.plain else f"{median(name, 2) - median(base, 2):+.0f}"
         rss = f"{memory[name]:.0f}" if name in memory else ""
-        ratios = f"{mean_all / base_all:.3f} | " + ("—" if math.isnan(quiet) else f"{quiet / base_quiet:.3f}")
-        print(f"| {name} | {mean_all * 1e3:.2f} | {ratios} | {added} | {rss} |")
-    if "wandb.watch(log='all') @50" in every_step:
-        ours = statistics.median(every_step["all five @50"]) - base_all
-        theirs = statistics.median(every_step["wandb.watch(log='all') @50"]) - statistics.median(
-            every_step["wandb logger"]
-        )
+        calm_text = "—" if math.isnan(calm) else f"{calm:.3f}"
+        print(f"| {name} | {median(name, 0) * 1e3:.2f} | {whole:.3f} | {calm_text} | {added} | {rss} |")
+    every = max(args.frequencies)
+    watch, logger = f"wandb.watch(log='all') @{every}", f"wandb logger @{every}"
+    if watch in runs:
+        ours = median(f"all five @{every}", 0) - median(reference, 0)
+        theirs = median(watch, 0) - median(logger, 0)
         print(
-            f"\nadded time per step at frequency 50: all five {ours * 1e3:+.3f} ms, wandb.watch {theirs * 1e3:+.3f} ms"
+            f"\nadded time per step at frequency {every}: "
+            f"all five {ours * 1e3:+.3f} ms, wandb.watch {theirs * 1e3:+.3f} ms"
         )
+    sys.stdout.flush()
+
+
+def find(table: list[Variant], name: str) -> Variant:
+    """The variant called ``name``; ``"<baseline>, again"`` is a second, independent run of that baseline."""
+    if name.endswith(", again"):
+        return find(table, name.removesuffix(", again"))
+    return next(v for v in table if v.name == name)
+
+
+def count_child(workload: str, out: str, table: list[Variant], every: int) -> None:
+    """Under callgrind: each variant once, steps ``every`` to ``2 * every - 1`` counted."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as root:
+        for name in [v.name for v in table] + [f"{baseline(every)}, again"]:
+            probe = StepInstructions(every, every)
+            steps = run_once(workload, find(table, name), 2 * every, root, probe)
+            with open(out, "a") as file:
+                file.write(json.dumps({"variant": name, "steps": [[s, n] for s, n, _ in steps]}) + "\n")
+
+
+def count_instructions(table: list[Variant], args: argparse.Namespace) -> None:
+    """One callgrind process per workload, run side by side: instruction counts ignore the load."""
+    from benchmarks import _callgrind
+
+    if (why := _callgrind.missing_tools()) is not None:
+        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+    every = args.instructions
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, torch {torch.__version__}, lightning {pl.__version__}, "
+        f"valgrind's callgrind, 1 thread; every variant logs every {every} steps, steps {every}-{2 * every - 1} "
+        "counted, one run per variant"
+    )
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory() as scratch:
+        out_dir = Path(scratch)
+        library = _callgrind.build_library(out_dir)
+        children = {}
+        for workload in args.workloads:
+            out, log = out_dir / f"{workload}.jsonl", out_dir / f"{workload}.log"
+            python = [sys.executable, __file__, "--count-child", workload, str(out), "--instructions", str(every)]
+            with log.open("w") as stderr:
+                child = subprocess.Popen(
+                    _callgrind.command(python, out_dir),
+                    env=_callgrind.environment(library, out_dir),
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+            children[workload] = (child, out, log)
+        for workload, (child, out, log) in children.items():
+            if child.wait() != 0:
+                sys.exit(f"{workload}: the counting process failed:\n{log.read_text()[-3000:]}")
+            counts = {}
+            for line in out.read_text().splitlines():
+                row = json.loads(line)
+                counts[row["variant"]] = {step: n for step, n in row["steps"]}
+            report_instructions(workload, table, counts, every)
+
+
+def projected(steps: dict[int, float], every: int, period: int) -> float:
+    """Instructions per step over ``period`` steps, from one counted period of ``every`` steps.
+
+    The counted window holds exactly one logging step of each kind (the callbacks' and
+    Lightning's); the other ``period - every`` steps of the longer period are quiet steps,
+    taken at the median of the window's quiet ones.
+    """
+    quiet = statistics.median(n for s, n in steps.items() if s % every and (s + 1) % every)
+    return (sum(steps.values()) + (period - every) * quiet) / period
+
+
+def report_instructions(workload: str, table: list[Variant], counts: dict[str, dict[int, float]], every: int) -> None:
+    reference = counts[baseline(every)]
+    again = sum(counts[f"{baseline(every)}, again"].values()) / sum(reference.values())
+    print(
+        f"\n### {workload}: {sum(reference.values()) / every / 1e6:.1f} M instructions per step in Lightning "
+        f"without callbacks (a second run of it: {again:.5f}×)\n"
+    )
+    periods = sorted({every, 50})
+    heads = " | ".join(f"× Lightning @{p} (all steps)" for p in periods)
+    print(f"| variant | M instructions per quiet step | × Lightning (steps that log nothing) | {heads} |")
+    print("|---|---:|---:|" + "---:|" * len(periods))
+    base = {p: projected(reference, every, p) for p in periods}
+    base_quiet = statistics.median(n for s, n in reference.items() if s % every and (s + 1) % every)
+    for name, steps in counts.items():
+        quiet = statistics.median(n for s, n in steps.items() if s % every and (s + 1) % every)
+        ratios = " | ".join(f"{projected(steps, every, p) / base[p]:.4f}" for p in periods)
+        print(f"| {name} | {quiet / 1e6:.2f} | {quiet / base_quiet:.4f} | {ratios} |")
+    watch, logger = f"wandb.watch(log='all') @{every}", f"wandb logger @{every}"
+    if watch in counts:
+        for p in periods:
+            ours = projected(counts[f"all five @{every}"], every, p) - base[p]
+            theirs = projected(counts[watch], every, p) - projected(counts[logger], every, p)
+            print(
+                f"added per step, logging every {p}: "
+                f"all five {ours / 1e6:+.3f} M instructions, wandb.watch {theirs / 1e6:+.3f} M"
+            )
     sys.stdout.flush()
 
 

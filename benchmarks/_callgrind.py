@@ -1,0 +1,109 @@
+"""Instruction counts of chosen stretches of a Python process, taken with valgrind's callgrind.
+
+Wall time on a shared 2-core VM scatters by 15-30 % from one fit to the next; the number of
+instructions a step executes does not depend on what else the machine is doing. The parent
+starts the measuring process under ``valgrind --tool=callgrind --instr-atstart=no``, so the
+interpreter, the imports and the Trainer's set-up run uninstrumented (and much faster); the
+child switches instrumentation on for the steps it wants counted and dumps the counter once
+per step through callgrind's client requests, issued from a ten-line C library compiled on the
+spot (outside valgrind the requests are no-ops). Every dump is read back and deleted at once.
+
+Needs ``valgrind`` and a C compiler with valgrind's headers (Debian: ``valgrind``, ``gcc``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+LIBRARY_ENV = "LIGHTNING_HOOKS_CALLGRIND_LIBRARY"
+OUT_ENV = "LIGHTNING_HOOKS_CALLGRIND_OUT"
+
+_SOURCE = r"""
+#include <valgrind/callgrind.h>
+void meter_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void meter_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+void meter_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+int meter_on_valgrind(void) { return RUNNING_ON_VALGRIND; }
+"""
+
+
+def missing_tools() -> str | None:
+    """Why instruction counts cannot be taken on this machine, or ``None`` when they can."""
+    for tool in ("valgrind", "cc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not on PATH (Debian: apt-get install valgrind gcc)"
+    return None
+
+
+def build_library(directory: Path) -> Path:
+    """Compile the client-request library into ``directory``."""
+    source, library = directory / "meter.c", directory / "meter.so"
+    source.write_text(_SOURCE)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def command(python_args: list[str], out_dir: Path) -> list[str]:
+    """The command line that runs ``python_args`` under callgrind, counting only on request."""
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        "--dump-line=no",
+        f"--callgrind-out-file={out_dir}/cg.%p",
+        *python_args,
+    ]
+
+
+def environment(library: Path, out_dir: Path) -> dict[str, str]:
+    """The child's environment: one intra-op thread (no spinning pool threads) and fixed hashing."""
+    return {
+        **os.environ,
+        LIBRARY_ENV: str(library),
+        OUT_ENV: str(out_dir),
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+class InstructionMeter:
+    """Counts the guest instructions between consecutive :meth:`mark` calls.
+
+    ``start()`` switches instrumentation on (callgrind flushes its code cache, so call it once
+    per stretch, not per step); each ``mark()`` dumps and zeroes the counter and returns the
+    instructions executed since the previous ``mark()`` or ``start()``; ``stop()`` ends the stretch.
+    """
+
+    def __init__(self) -> None:
+        self._lib = ctypes.CDLL(os.environ[LIBRARY_ENV])
+        self._out = Path(os.environ[OUT_ENV])
+        if not self._lib.meter_on_valgrind():
+            raise RuntimeError("InstructionMeter needs the process to run under valgrind --tool=callgrind")
+
+    def start(self) -> None:
+        self._lib.meter_start()
+
+    def stop(self) -> None:
+        self._lib.meter_stop()
+
+    def mark(self, label: str = "mark") -> int:
+        self._lib.meter_dump(label.encode())
+        # callgrind numbers its dumps per process (cg.<pid>.1, .2, ...): take whatever is there.
+        (dump,) = self._out.glob(f"cg.{os.getpid()}.*")
+        try:
+            return read_total(dump.read_text())
+        finally:
+            dump.unlink()
+
+
+def read_total(dump: str) -> int:
+    """The instruction total of one callgrind dump (its ``totals:`` line)."""
+    for line in dump.splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise ValueError("not a callgrind dump: no 'totals:' line")
