@@ -125,6 +125,13 @@ class HookCallback(Callback):
         check_positive_int(owner, "log_every_n_steps", log_every_n_steps)
         self.log_every_n_steps = log_every_n_steps
         self.selector = ModuleSelector(include, exclude, types, max_depth, owner=owner)
+        self._state_key = self._generate_state_key(
+            include=self.selector.include,
+            exclude=self.selector.exclude,
+            types=self.selector.types,
+            max_depth=self.selector.max_depth,
+            log_every_n_steps=log_every_n_steps,
+        )
         self._handles = HookHandles()
         self._step_handles = HookHandles()
         self._modules: list[tuple[str, nn.Module]] = []
@@ -158,14 +165,8 @@ class HookCallback(Callback):
     @override
     def state_key(self) -> str:
         # Two instances of one callback with different selections keep separate checkpoint state.
-        selector = self.selector
-        return self._generate_state_key(
-            include=selector.include,
-            exclude=selector.exclude,
-            types=selector.types,
-            max_depth=selector.max_depth,
-            log_every_n_steps=self.log_every_n_steps,
-        )
+        # Lightning reads this for every hook call (to name it for its profiler): build it once.
+        return self._state_key
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
