@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -60,7 +60,9 @@ class TinyNet(pl.LightningModule):
         return DataLoader(TensorDataset(self.x[:5], self.y[:5]), batch_size=5)
 
 
-def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool = True, **kwargs: Any) -> pl.Trainer:
+def make_trainer(
+    tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool | Logger = True, **kwargs: Any
+) -> pl.Trainer:
     options: dict[str, Any] = {
         "default_root_dir": tmp_path,
         "accelerator": "cpu",
@@ -72,7 +74,7 @@ def make_trainer(tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool =
         "enable_checkpointing": False,
         "num_sanity_val_steps": 0,
         "limit_val_batches": 0,
-        "logger": TensorBoardLogger(tmp_path, name="tb", version=0) if logger else False,
+        "logger": TensorBoardLogger(tmp_path, name="tb", version=0) if logger is True else logger,
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
