@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 
 from lightning_hooks._select import label
@@ -52,7 +51,7 @@ def gradient_flow_series(rows: Mapping[str, Sequence[float]]) -> tuple[list[str]
         pooled.setdefault(label(module), []).append(row)
     layers, means, maxes = [], [], []
     for layer, members in pooled.items():
-        row = combine([torch.tensor(r, dtype=torch.float64) for r in members]).tolist()
+        row = combine(members)
         if not row[0]:
             continue
         layers.append(layer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,46 +24,85 @@ Key = tuple[str, str]
 
 _COUNT, _SUM, _SUMSQ, _ABS_MAX, _ZEROS, _NONFINITE, _ABS_SUM = range(7)
 MOMENT_WIDTH = 7
+RAW_WIDTH = 6
 HIST_SAMPLE = 1 << 16
 """Histograms count at most this many elements of a tensor (an even stride through it)."""
 
 
-def moments(t: torch.Tensor) -> torch.Tensor:
-    """A float64 row ``[count, sum, sum_sq, abs_max, zeros, nonfinite, abs_sum]`` on ``t``'s device.
+class Moments(NamedTuple):
+    """One tensor's reduction as computed on its device, in the fewest and cheapest kernels.
 
-    ``sum`` and ``sum_sq`` are rebuilt from the float32 mean and (population) variance, which
-    torch computes accurately, so that rows of different tensors add up exactly.
+    ``raw`` is a float64 ``[mean, spread, abs_max, abs_sum, nonzero, nonfinite]`` on the tensor's
+    device, where ``spread`` is the L2 norm of ``x - mean`` (``None`` for an empty tensor); the
+    element count ``numel`` is known on the host. :func:`row` turns the fetched values into the
+    combinable moment row ``[count, sum, sum_sq, abs_max, zeros, nonfinite, abs_sum]`` (on the
+    host, in float64, after the step's one transfer).
+    """
+
+    numel: int
+    raw: torch.Tensor | None
+
+    def row(self) -> list[float]:
+        """The moment row on the host (one transfer; for tests and one-off use)."""
+        return row(self.numel, None if self.raw is None else self.raw.tolist())
+
+
+def moments(t: torch.Tensor) -> Moments:
+    """Reduce ``t`` on its device: what a logging step pays per tensor.
+
+    The spread is taken around the mean (two passes), so the variance keeps its precision when
+    it is tiny next to the squared mean; the sum of squares is rebuilt from both in float64 on
+    the host, so that rows of different tensors add up exactly. The kernels are chosen for their
+    cost on large tensors: ``count_nonzero`` counts zeros, and non-finite values (``|x| * 0`` is
+    NaN exactly for them) far faster than a boolean mask summed; ``var_mean`` and vector norms
+    of orders 1 and inf are several times slower than the plain reductions used here.
     """
     x = t.detach()
-    if not x.is_floating_point():
-        x = x.float()
     n = x.numel()
     if n == 0:
-        return torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=x.device)
-    xf = x.float()
-    var, mean = torch.var_mean(xf, correction=0)
-    mean64, var64 = mean.double(), var.double()
-    return torch.stack(
+        return Moments(0, None)
+    xf = x.float()  # itself when already float32
+    mean = xf.mean()
+    magnitude = xf.abs()
+    raw = torch.stack(  # the float64 mean makes the whole row float64: counts stay exact
         [
-            torch.tensor(float(n), dtype=torch.float64, device=x.device),
-            mean64 * n,
-            (var64 + mean64 * mean64) * n,
-            xf.abs().amax().double(),
-            (xf == 0).sum().double(),
-            (~torch.isfinite(xf)).sum().double(),
-            xf.abs().sum().double(),  # abs_sum: the mean |x| of the gradient-flow figure
+            mean.double(),
+            torch.linalg.vector_norm(xf - mean),
+            magnitude.amax(),
+            magnitude.sum(),
+            torch.count_nonzero(xf),
+            torch.count_nonzero(magnitude * 0),
         ]
     )
+    return Moments(n, raw)
 
 
-def combine(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One moment row for several: sums add, the abs-max is the largest."""
+def row(count: int, raw: Sequence[float] | None) -> list[float]:
+    """The moment row of a tensor of ``count`` elements from its fetched ``raw`` values."""
+    if raw is None:
+        return [0.0] * MOMENT_WIDTH
+    mean, spread, abs_max, abs_sum, nonzero, nonfinite = raw
+    return [count, mean * count, spread * spread + count * mean * mean, abs_max, count - nonzero, nonfinite, abs_sum]
+
+
+def combine(rows: Sequence[Sequence[float]]) -> list[float]:
+    """One moment row for several (on the host): sums add, the abs-max is the largest (NaN wins)."""
     if len(rows) == 1:
-        return rows[0]
-    stacked = torch.stack(list(rows))
-    out = stacked.sum(dim=0)
-    out[_ABS_MAX] = stacked[:, _ABS_MAX].amax()
+        return list(rows[0])
+    out = [math.fsum(column) for column in zip(*rows, strict=True)]
+    peaks = [r[_ABS_MAX] for r in rows if r[_COUNT]]
+    out[_ABS_MAX] = math.nan if any(math.isnan(p) for p in peaks) else max(peaks, default=0.0)
     return out
+
+
+def device_row(m: Moments, device: torch.device) -> torch.Tensor:
+    """The moment row of ``m`` as a float64 tensor on ``device`` (for collectives across processes)."""
+    if m.raw is None:
+        return torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=device)
+    mean, spread, abs_max, abs_sum, nonzero, nonfinite = m.raw.unbind()
+    n = float(m.numel)
+    sum_sq = spread * spread + n * mean * mean
+    return torch.stack([mean.new_tensor(n), mean * n, sum_sq, abs_max, n - nonzero, nonfinite, abs_sum])
 
 
 def derive(row: Sequence[float], stats: Sequence[str] = STATS) -> dict[str, float]:
@@ -139,20 +179,21 @@ class StatBatch:
     """
 
     open: bool = False
-    moments: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    moments: dict[Key, list[Moments]] = field(default_factory=dict)
+    pooled: dict[Key, torch.Tensor] = field(default_factory=dict)
     histograms: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.moments) + len(self.histograms) + len(self.extra)
+        return len(self.moments) + len(self.pooled) + len(self.histograms) + len(self.extra)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
-    def add_moments(self, key: Key, row: torch.Tensor) -> None:
+    def add_moments(self, key: Key, m: Moments) -> None:
         if self.open:
-            self.moments.setdefault(key, []).append(row)
+            self.moments.setdefault(key, []).append(m)
 
     def add_histogram(self, key: Key, row: torch.Tensor) -> None:
         if self.open:
@@ -163,7 +204,7 @@ class StatBatch:
             self.extra[key] = value.detach().double().reshape(1)
 
     def clear(self) -> None:
-        self.moments, self.histograms, self.extra = {}, {}, {}
+        self.moments, self.pooled, self.histograms, self.extra = {}, {}, {}, {}
         self.open = False
 
     def reduce(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], keys: list[Key]) -> None:
@@ -174,27 +215,45 @@ class StatBatch:
         """
         if not keys:
             return
-        device = next((rows[0].device for rows in self.moments.values()), torch.device("cpu"))
+        device = next((m.raw.device for ms in self.moments.values() for m in ms if m.raw is not None), None)
+        device = device or torch.device("cpu")
         empty = torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=device)
-        table = torch.stack([combine(self.moments[k]) if k in self.moments else empty for k in keys])
-        summed = reduce(table.clone(), "sum")
-        summed[:, _ABS_MAX] = reduce(table[:, _ABS_MAX].contiguous(), "max")
-        for key, row in zip(keys, summed, strict=True):
-            self.moments[key] = [row]
+        table = torch.stack(
+            [
+                torch.stack([device_row(m, device) for m in self.moments[k]]).sum(dim=0) if k in self.moments else empty
+                for k in keys
+            ]
+        )
+        peaks = torch.stack(
+            [
+                torch.stack([device_row(m, device)[_ABS_MAX] for m in self.moments[k]]).amax()
+                if k in self.moments
+                else empty[0]
+                for k in keys
+            ]
+        )
+        summed = reduce(table, "sum")
+        summed[:, _ABS_MAX] = reduce(peaks, "max")
+        for key, pooled in zip(keys, summed, strict=True):
+            self.moments.pop(key, None)
+            self.pooled[key] = pooled
 
     def fetch(self) -> tuple[dict[Key, list[float]], dict[Key, Histogram], dict[Key, float]]:
         """Combine, move everything to the host in one copy, and empty the batch."""
         parts: list[torch.Tensor] = []
-        layout: list[tuple[str, Key, int]] = []
-        for key, rows in self.moments.items():
-            parts.append(combine(rows))
-            layout.append(("m", key, MOMENT_WIDTH))
+        layout: list[tuple[str, Key, list[int]]] = []  # kind, key, counts of the raw moments
+        for key, ms in self.moments.items():
+            layout.append(("m", key, [m.numel for m in ms]))
+            parts.extend(m.raw for m in ms if m.raw is not None)
+        for key, pooled in self.pooled.items():
+            layout.append(("p", key, []))
+            parts.append(pooled)
         for key, rows in self.histograms.items():
             parts.append(_combine_histograms(rows))
-            layout.append(("h", key, parts[-1].numel()))
+            layout.append(("h", key, [parts[-1].numel()]))
         for key, value in self.extra.items():
             parts.append(value)
-            layout.append(("x", key, 1))
+            layout.append(("x", key, []))
         self.clear()  # closes the batch too
         if not parts:
             return {}, {}, {}
@@ -204,15 +263,21 @@ class StatBatch:
         hists: dict[Key, Histogram] = {}
         scalars: dict[Key, float] = {}
         offset = 0
-        for kind, key, width in layout:
-            chunk = flat[offset : offset + width]
+
+        def take(width: int) -> list[float]:
+            nonlocal offset
             offset += width
+            return flat[offset - width : offset]
+
+        for kind, key, sizes in layout:
             if kind == "m":
-                moment_rows[key] = chunk
+                moment_rows[key] = combine([row(n, take(RAW_WIDTH) if n else None) for n in sizes])
+            elif kind == "p":
+                moment_rows[key] = take(MOMENT_WIDTH)
             elif kind == "h":
-                hists[key] = Histogram.from_row(chunk)
+                hists[key] = Histogram.from_row(take(sizes[0]))
             else:
-                scalars[key] = chunk[0]
+                scalars[key] = take(1)[0]
         return moment_rows, hists, scalars
 
 

@@ -31,14 +31,14 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     ids=["shifted", "relu", "constant", "single", "half", "int"],
 )
 def test_moments_give_the_reference_statistics(tensor: torch.Tensor) -> None:
-    got = derive(moments(tensor).tolist())
+    got = derive(moments(tensor).row())
     for name, value in reference(tensor).items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
 def test_nonfinite_values_are_counted() -> None:
     t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
-    got = derive(moments(t).tolist())
+    got = derive(moments(t).row())
     assert got["nonfinite"] == 3
     assert got["zero_frac"] == pytest.approx(0.2)
     assert math.isnan(got["mean"])
@@ -47,13 +47,13 @@ def test_nonfinite_values_are_counted() -> None:
 def test_combined_rows_equal_the_concatenation() -> None:
     generator = torch.Generator().manual_seed(3)
     parts = [torch.randn(n, generator=generator) * (i + 1) + i for i, n in enumerate((10, 300, 1))]
-    got = derive(combine([moments(p) for p in parts]).tolist())
+    got = derive(combine([moments(p).row() for p in parts]))
     for name, value in reference(torch.cat(parts)).items():
         assert got[name] == pytest.approx(value, rel=1e-5), name
 
 
 def test_empty_tensor_gives_no_statistics() -> None:
-    assert derive(moments(torch.zeros(0)).tolist()) == {}
+    assert derive(moments(torch.zeros(0)).row()) == {}
 
 
 def test_histogram_matches_histc_and_skips_nonfinite() -> None:
@@ -108,3 +108,15 @@ def test_closed_batch_takes_nothing() -> None:
 
 def test_stats_names() -> None:
     assert STATS == ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
+
+
+def test_a_tiny_spread_around_a_large_mean_keeps_its_precision() -> None:
+    t = 1000 + 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(5))
+    assert derive(moments(t).row())["std"] == pytest.approx(reference(t)["std"], rel=1e-3)
+
+
+def test_combining_a_row_with_a_nan_abs_max_keeps_the_nan() -> None:
+    rows = [moments(torch.tensor([1.0, float("nan")])).row(), moments(torch.tensor([5.0])).row()]
+    assert math.isnan(combine(rows)[3])
+    assert combine(list(reversed(rows)))[3] != combine(list(reversed(rows)))[3]
+    assert combine([moments(torch.tensor([1.0, -7.0])).row(), moments(torch.tensor([5.0])).row()])[3] == 7.0
