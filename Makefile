@@ -1,7 +1,8 @@
 # One command to set up and run the main job, one to run the tests.
 #   make demo   - build .venv, train the digits CNN with all four callbacks (configs/digits.yaml)
 #   make test   - build .venv, run the test suite
-#   make bench  - build .venv, measure the callbacks' overhead (about 10 minutes)
+#   make bench  - build .venv, measure the callbacks' overhead in wall time (about 15 minutes)
+#   make bench-instructions - the same in instruction counts under valgrind (25-50 minutes, the workloads side by side)
 #   make screenshot - regenerate the README's TensorBoard pictures in docs/ (needs Debian's chromium)
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch is all the demo and the tests need; install it before anything asks for torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench tensorboard screenshot clean
+.PHONY: setup demo test lint bench bench-instructions tensorboard screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -32,7 +33,10 @@ lint: setup
 	$(VENV)/bin/mypy
 
 bench: setup
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --frequencies 10 50
+
+bench-instructions: setup
+	$(PY) benchmarks/overhead.py --instructions 10 --workloads digits-cnn resnet
 
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir lightning_logs --host 127.0.0.1

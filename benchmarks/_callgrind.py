@@ -75,8 +75,10 @@ class InstructionMeter:
     """Counts the guest instructions between consecutive :meth:`mark` calls.
 
     ``start()`` switches instrumentation on (callgrind flushes its code cache, so call it once
-    per stretch, not per step); each ``mark()`` dumps and zeroes the counter and returns the
-    instructions executed since the previous ``mark()`` or ``start()``; ``stop()`` ends the stretch.
+    per stretch, not per step); each ``mark()`` has callgrind dump and zero its counter;
+    ``stop()`` ends the stretch, and ``collect()`` then reads the dumps: the instructions from
+    ``start()`` to the first ``mark()``, from there to the next, and so on. The dumps are read
+    only after ``stop()``, so that parsing them is not counted.
     """
 
     def __init__(self) -> None:
@@ -88,17 +90,19 @@ class InstructionMeter:
     def start(self) -> None:
         self._lib.meter_start()
 
+    def mark(self, label: str = "mark") -> None:
+        self._lib.meter_dump(label.encode())
+
     def stop(self) -> None:
         self._lib.meter_stop()
 
-    def mark(self, label: str = "mark") -> int:
-        self._lib.meter_dump(label.encode())
-        # callgrind numbers its dumps per process (cg.<pid>.1, .2, ...): take whatever is there.
-        (dump,) = self._out.glob(f"cg.{os.getpid()}.*")
-        try:
-            return read_total(dump.read_text())
-        finally:
+    def collect(self) -> list[int]:
+        # callgrind numbers its dumps per process: cg.<pid>.1, cg.<pid>.2, ...
+        dumps = sorted(self._out.glob(f"cg.{os.getpid()}.*"), key=lambda path: int(path.suffix[1:]))
+        totals = [read_total(dump.read_text()) for dump in dumps]
+        for dump in dumps:
             dump.unlink()
+        return totals
 
 
 def read_total(dump: str) -> int:

@@ -1,17 +1,34 @@
 """What each callback costs per training step, against the same Lightning fit without it.
 
-    .venv/bin/python benchmarks/overhead.py                 # all workloads, about 10 minutes on 2 cores
-    .venv/bin/python benchmarks/overhead.py --quick         # a smoke run, about a minute
-    make bench                                              # the same as the first line
+    .venv/bin/python benchmarks/overhead.py                    # wall time, all workloads, ~15 min on 2 cores
+    .venv/bin/python benchmarks/overhead.py --quick            # a smoke run, about a minute
+    .venv/bin/python benchmarks/overhead.py --instructions 10  # instruction counts (valgrind), 25-50 min
+    make bench / make bench-instructions                       # the first / the third line
 
 Workloads: the digits CNN, a small ``nn.TransformerEncoder`` language model on synthetic tokens,
-and a ResNet-style CNN with about 25 modules. Each variant trains for a fixed number of steps in
-this one process; variants run interleaved (A B C A B C ...) so that drifting machine load hits
-all of them alike, and each figure is the median over repeats of the per-step figure inside one
-fit. Ratios are to the Lightning fit with no callback, measured in the same run. Also reported:
-host synchronisations (``Tensor.item``/``tolist``/``cpu``/``numpy``/``__bool__``/``__float__``
-calls) that a variant adds per logging step, and each variant's peak resident memory, measured
-in a fresh process per variant.
+and a ResNet-style CNN with 28 modules. Variants: a hand-written PyTorch loop (the limit), the
+Lightning fit without callbacks, each callback alone and all five together at each logging
+frequency, an empty ``Callback`` (what Lightning charges any callback), ``gradient_clip_val``
+(value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
+
+Two measures:
+
+* **Wall time.** Each fit runs in a fresh fork of this process (same imports, no earlier fit's
+  garbage or thread pools), variants in an order rotated every repeat so that no variant always
+  follows the same one; a step is timed from its ``on_train_batch_start`` to the next one's (so
+  callbacks' set-up and Lightning's logging count), the first ``--warmup`` steps left out.
+  Figures are medians over repeats of each fit's mean step and of its median and 10th
+  percentile quiet step; a second run of the baseline shows the machine's noise. Also: host
+  synchronisations (``Tensor.item``/``tolist``/``cpu``/``numpy``/``__bool__``/... calls) a variant
+  adds per logging step, and peak resident memory from a fresh process per variant.
+* **Instructions** (``--instructions N``): every variant runs once under valgrind's callgrind
+  with one intra-op thread, logging every ``N`` steps, and steps ``N`` to ``2N - 1`` are counted
+  one by one (see ``_callgrind.py``). The counts repeat to 0.05 % whatever else the machine
+  does, so ratios of 1.01 are resolved where wall time on a shared VM scatters by 15 %. The
+  window holds one logging step of each kind; ratios for logging every 50 steps extend it with
+  quiet steps. Instructions are not time: a SIMD kernel does more work per instruction than the
+  interpreter, so Python-heavy overhead costs relatively more time than its share of
+  instructions.
 """
 
 from __future__ import annotations
@@ -86,6 +103,7 @@ def variants(frequencies: list[int]) -> list[Variant]:
             Variant(f"all five @{every}", lambda e=every: all_five(e), every=every),
         ]
     every = max(frequencies)
+    found.append(Variant(f"an empty Callback @{every}", lambda: [pl.Callback()], every=every))
     clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
     found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
     if _wandb_available():
@@ -159,11 +177,13 @@ class StepInstructions(StepProbe):
 
     def measure(self, step: int) -> None:
         if self.first < step <= self.end:
-            self.steps.append((step - 1, float(self._meter.mark(f"step {step - 1}")), 0))
+            self._meter.mark(f"step {step - 1}")
         if step == self.first:
             self._meter.start()
         elif step == self.end:
             self._meter.stop()
+            counts = self._meter.collect()
+            self.steps = [(self.first + i, float(n), 0) for i, n in enumerate(counts)]
 
 
 class SyncCounter:
@@ -311,6 +331,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--frequencies", nargs="*", type=int, default=[1, 10, 50])
     parser.add_argument("--quick", action="store_true", help="3 repeats, 60 steps, frequency 50 only, no memory")
+    parser.add_argument("--only", nargs="*", metavar="VARIANT", help="run only these variants (and the baselines)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument(
         "--instructions",
@@ -328,6 +349,8 @@ def main() -> None:
     if args.instructions is not None:
         args.frequencies = [args.instructions]
     table = variants(args.frequencies)
+    if args.only:
+        table = [v for v in table if v.name in args.only or v.name.startswith("lightning @")]
     if args.memory_probe:
         workload, name = args.memory_probe
         with tempfile.TemporaryDirectory() as root:
@@ -352,21 +375,27 @@ def main() -> None:
             report(workload, table, args, root)
 
 
-def summarise(steps: list[tuple[int, float, int]], every: int, warmup: int) -> tuple[float, float, float]:
-    """(mean per step, median per step that logs nothing, median host syncs per logging step) of one fit."""
+def summarise(steps: list[tuple[int, float, int]], every: int, warmup: int) -> tuple[float, float, float, float]:
+    """Of one fit: mean time per step; median and 10th percentile of the steps that log nothing;
+    median host syncs per logging step.
+
+    The 10th percentile is the time of an undisturbed step: on a shared machine interruptions only
+    ever add time, so the fastest steps of a fit are the ones that show what the code costs.
+    """
     kept = [(s, t, n) for s, t, n in steps if s >= warmup]
     quiet = [t for s, t, _ in kept if s % every]  # none when every step logs
     syncs = [n for s, _, n in kept if s % every == 0]
     return (
         statistics.mean(t for _, t, _ in kept),
         statistics.median(quiet) if quiet else math.nan,
+        statistics.quantiles(quiet, n=10)[0] if len(quiet) > 1 else math.nan,
         statistics.median(syncs) if syncs else 0.0,
     )
 
 
 def report(workload: str, table: list[Variant], args: argparse.Namespace, root: str) -> None:
     names = [v.name for v in table] + [f"{baseline(max(args.frequencies))}, again"]
-    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
+    runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
     for repeat in range(args.repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for name in order:
@@ -385,17 +414,17 @@ def report(workload: str, table: list[Variant], args: argparse.Namespace, root: 
     reference = baseline(max(args.frequencies))
     print(f"\n### {workload}: {median(reference, 0) * 1e3:.2f} ms per step in Lightning without callbacks\n")
     columns = ["variant", "ms/step", "× Lightning (all steps)", "× Lightning (steps that log nothing)"]
-    columns += ["added host syncs per logging step", "peak RSS (MB)"]
+    columns += ["× Lightning (fastest 10 % of those)", "added host syncs per logging step", "peak RSS (MB)"]
     print("| " + " | ".join(columns) + " |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         variant = find(table, name)
         base = baseline(variant.every)
-        whole, calm = median(name, 0) / median(base, 0), median(name, 1) / median(base, 1)
-        added = "" if variant.plain else f"{median(name, 2) - median(base, 2):+.0f}"
+        ratios = [median(name, column) / median(base, column) for column in (0, 1, 2)]
+        text = " | ".join("—" if math.isnan(r) else f"{r:.3f}" for r in ratios)
+        added = "" if variant.plain else f"{median(name, 3) - median(base, 3):+.0f}"
         rss = f"{memory[name]:.0f}" if name in memory else ""
-        calm_text = "—" if math.isnan(calm) else f"{calm:.3f}"
-        print(f"| {name} | {median(name, 0) * 1e3:.2f} | {whole:.3f} | {calm_text} | {added} | {rss} |")
+        print(f"| {name} | {median(name, 0) * 1e3:.2f} | {text} | {added} | {rss} |")
     every = max(args.frequencies)
     watch, logger = f"wandb.watch(log='all') @{every}", f"wandb logger @{every}"
     if watch in runs:
@@ -446,6 +475,7 @@ def count_instructions(table: list[Variant], args: argparse.Namespace) -> None:
         for workload in args.workloads:
             out, log = out_dir / f"{workload}.jsonl", out_dir / f"{workload}.log"
             python = [sys.executable, __file__, "--count-child", workload, str(out), "--instructions", str(every)]
+            python += ["--only", *args.only] if args.only else []
             with log.open("w") as stderr:
                 child = subprocess.Popen(
                     _callgrind.command(python, out_dir),

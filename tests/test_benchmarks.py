@@ -1,0 +1,77 @@
+"""The overhead benchmark's machinery: callgrind's instruction meter and a tiny timed run."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _callgrind
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COUNTED = """
+from benchmarks._callgrind import InstructionMeter
+
+def work(n):
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+meter = InstructionMeter()
+work(4000)  # the interpreter specialises the loop's bytecode on its first runs
+meter.start()
+meter.mark()  # the first stretch also holds the return from start() and ctypes' first lookups
+work(1000)
+meter.mark()
+work(4000)
+meter.mark()
+work(1000)
+meter.mark()
+meter.stop()
+print(meter.collect())
+"""
+
+
+@pytest.mark.skipif(_callgrind.missing_tools() is not None, reason=str(_callgrind.missing_tools()))
+def test_the_meter_counts_each_stretch_and_the_counts_repeat(tmp_path: Path) -> None:
+    library = _callgrind.build_library(tmp_path)
+    out = subprocess.run(
+        _callgrind.command([sys.executable, "-c", COUNTED], tmp_path),
+        env=_callgrind.environment(library, tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    _, short, long, again = ast.literal_eval(out.strip().splitlines()[-1])
+    assert short == pytest.approx(again, rel=0.01)  # the same work counts the same
+    assert long / short == pytest.approx(4, rel=0.2)  # four times the loop, about four times the count
+    assert not list(tmp_path.glob("cg.*.*"))  # every dump was read and removed
+
+
+def test_the_meter_refuses_to_run_outside_valgrind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if _callgrind.missing_tools() is not None:
+        pytest.skip(str(_callgrind.missing_tools()))
+    monkeypatch.setenv(_callgrind.LIBRARY_ENV, str(_callgrind.build_library(tmp_path)))
+    monkeypatch.setenv(_callgrind.OUT_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="under valgrind"):
+        _callgrind.InstructionMeter()
+
+
+def test_a_tiny_timed_run_prints_a_table_with_every_variant_asked_for() -> None:
+    out = subprocess.run(
+        [sys.executable, "benchmarks/overhead.py", "--workloads", "digits-cnn", "--frequencies", "2"]
+        + ["--repeats", "1", "--steps", "4", "--warmup", "1", "--no-memory", "--only", "GradClamp @2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| lightning @2", "| GradClamp @2", "| lightning @2, again"]
+    assert "ms per step in Lightning without callbacks" in out
