@@ -35,18 +35,15 @@ print(meter.collect())
 """
 
 
+def output_of(command: list[str], env: dict[str, str] | None = None) -> str:
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=True, timeout=300).stdout
+
+
 @pytest.mark.skipif(_callgrind.missing_tools() is not None, reason=str(_callgrind.missing_tools()))
 def test_the_meter_counts_each_stretch_and_the_counts_repeat(tmp_path: Path) -> None:
     library = _callgrind.build_library(tmp_path)
-    out = subprocess.run(
-        _callgrind.command([sys.executable, "-c", COUNTED], tmp_path),
-        env=_callgrind.environment(library, tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    ).stdout
+    command = _callgrind.command([sys.executable, "-c", COUNTED], tmp_path)
+    out = output_of(command, env=_callgrind.environment(library, tmp_path))
     _, short, long, again = ast.literal_eval(out.strip().splitlines()[-1])
     assert short == pytest.approx(again, rel=0.01)  # the same work counts the same
     assert long / short == pytest.approx(4, rel=0.2)  # four times the loop, about four times the count
@@ -63,15 +60,10 @@ def test_the_meter_refuses_to_run_outside_valgrind(tmp_path: Path, monkeypatch: 
 
 
 def test_a_tiny_timed_run_prints_a_table_with_every_variant_asked_for() -> None:
-    out = subprocess.run(
+    out = output_of(
         [sys.executable, "benchmarks/overhead.py", "--workloads", "digits-cnn", "--frequencies", "2"]
-        + ["--repeats", "1", "--steps", "4", "--warmup", "1", "--no-memory", "--only", "GradClamp @2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    ).stdout
+        + ["--repeats", "1", "--steps", "4", "--warmup", "1", "--no-memory", "--only", "GradClamp @2"]
+    )
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| lightning @2", "| GradClamp @2", "| lightning @2, again"]
     assert "ms per step in Lightning without callbacks" in out
