@@ -36,6 +36,8 @@ def missing_tools() -> str | None:
     for tool in ("valgrind", "cc"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not on PATH (Debian: apt-get install valgrind gcc)"
+    if not any(Path(root, "valgrind", "callgrind.h").exists() for root in ("/usr/include", "/usr/local/include")):
+        return "valgrind's header valgrind/callgrind.h is not installed (Debian: apt-get install valgrind)"
     return None
 
 
