@@ -217,21 +217,13 @@ class StatBatch:
             return
         device = next((m.raw.device for ms in self.moments.values() for m in ms if m.raw is not None), None)
         device = device or torch.device("cpu")
-        empty = torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=device)
-        table = torch.stack(
-            [
-                torch.stack([device_row(m, device) for m in self.moments[k]]).sum(dim=0) if k in self.moments else empty
-                for k in keys
-            ]
-        )
-        peaks = torch.stack(
-            [
-                torch.stack([device_row(m, device)[_ABS_MAX] for m in self.moments[k]]).amax()
-                if k in self.moments
-                else empty[0]
-                for k in keys
-            ]
-        )
+        empty = torch.zeros(1, MOMENT_WIDTH, dtype=torch.float64, device=device)
+        # One (calls x MOMENT_WIDTH) block of device rows per key; a key this process never saw is one empty row.
+        rows = [
+            torch.stack([device_row(m, device) for m in self.moments[k]]) if k in self.moments else empty for k in keys
+        ]
+        table = torch.stack([r.sum(dim=0) for r in rows])
+        peaks = torch.stack([r[:, _ABS_MAX].amax() for r in rows])
         summed = reduce(table, "sum")
         summed[:, _ABS_MAX] = reduce(peaks, "max")
         for key, pooled in zip(keys, summed, strict=True):
