@@ -8,7 +8,7 @@ Two figures:
 * **activation zero fraction**: the share of exact zeros in each layer's output, in call order:
   a ReLU near 100 % has died.
 
-The series are computed from host-side moment rows (see :mod:`lightning_hooks._stats`); the
+The series are computed from host-side states (see :mod:`lightning_hooks._stats`); the
 renderers take names and values and return an ``H x W x 3`` ``uint8`` image, drawn with the Agg
 canvas directly (no pyplot, no global state, no display). matplotlib is imported on first use;
 :data:`INSTALL_HINT` says how to get it.
@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_hooks._select import label
-from lightning_hooks._stats import abs_mean, combine, derive
+from lightning_hooks._stats import State, abs_mean, combine, derive
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -39,20 +39,20 @@ DEAD = 0.9
 _MEAN_COLOR, _MAX_COLOR, _BAD_COLOR, _OK_COLOR = "#1f4e99", "#9dc3e6", "#c62828", "#4a90c8"
 
 
-def gradient_flow_series(rows: Mapping[str, Sequence[float]]) -> tuple[list[str], list[float], list[float]]:
+def gradient_flow_series(rows: Mapping[str, State]) -> tuple[list[str], list[float], list[float]]:
     """Per layer (a parameter's module), mean and max ``|gradient|`` from parameter moment rows.
 
     ``rows`` maps qualified parameter names, in model order, to combined moment rows; the
     parameters of one module (weight and bias) are pooled. Returns ``(layers, mean_abs, max_abs)``.
     """
-    pooled: dict[str, list[Sequence[float]]] = {}
+    pooled: dict[str, list[State]] = {}
     for name, row in rows.items():
         module = name.rpartition(".")[0]
         pooled.setdefault(label(module), []).append(row)
     layers, means, maxes = [], [], []
     for layer, members in pooled.items():
         row = combine(members)
-        if not row[0]:
+        if not row.numel:
             continue
         layers.append(layer)
         means.append(abs_mean(row))
@@ -60,7 +60,7 @@ def gradient_flow_series(rows: Mapping[str, Sequence[float]]) -> tuple[list[str]
     return layers, means, maxes
 
 
-def zero_fraction_series(rows: Mapping[str, Sequence[float]]) -> tuple[list[str], list[float]]:
+def zero_fraction_series(rows: Mapping[str, State]) -> tuple[list[str], list[float]]:
     """Per layer output, in call order, the share of exact zeros: ``(layers, zero_frac)``."""
     layers, values = [], []
     for name, row in rows.items():

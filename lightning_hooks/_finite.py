@@ -34,24 +34,17 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_hooks._autograd import in_backward
+from lightning_hooks._finding import FINITE, Finding, Phase, Reading
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import call_inputs, named_tensors
-from lightning_hooks._select import ModuleSelector, label
-from lightning_hooks._shapes import in_backward
-
-FINITE, INF, NAN = 0, 1, 2
-"""Severities: a NaN is worse than an Inf, which is worse than nothing."""
-
-Phase = Literal["forward", "loss", "backward", "parameter"]
-
-_SHOWN = 4
-"""How many inputs, parameters or candidates a report lists before saying how many more."""
+from lightning_hooks._select import ModuleSelector
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
@@ -69,42 +62,8 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(x - x)
 
 
-def severity(low: float, high: float) -> int:
-    """:data:`NAN`, :data:`INF` or :data:`FINITE`, from a tensor's minimum and maximum."""
-    if math.isnan(low) or math.isnan(high):
-        return NAN
-    return INF if math.isinf(low) or math.isinf(high) else FINITE
-
-
-class Reading(NamedTuple):
-    """What is known of one tensor: its range, its size and how many of its values are not finite.
-
-    A named tuple, not a dataclass: one is made per measured tensor, on the hot path.
-    """
-
-    min: float
-    max: float
-    numel: int
-    nonfinite: int = 0
-
-    @property
-    def severity(self) -> int:
-        return severity(self.min, self.max)
-
-    def range(self) -> str:
-        return f"min {self.min:.4g}, max {self.max:.4g}"
-
-    def bad(self) -> str:
-        """``12 of 64 values are NaN`` (the kind shown is the worst present)."""
-        return f"{self.nonfinite:,} of {self.numel:,} values are {'NaN' if self.severity == NAN else 'Inf'}"
-
-
 class Readings:
     """Readings taken on the tensors' devices, read on the host with one transfer.
-
-    Args:
-        queue_cpu: Queue the readings of CPU tensors too, as those of accelerator tensors are,
-            instead of reading them at once (which costs nothing on the CPU); for tests.
 
     Example::
 
@@ -114,8 +73,7 @@ class Readings:
         Reading(min=-2.0, max=inf, numel=3, nonfinite=1)
     """
 
-    def __init__(self, queue_cpu: bool = False) -> None:
-        self.queue_cpu = queue_cpu
+    def __init__(self) -> None:
         self._items: list[Reading | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
     def __len__(self) -> int:
@@ -130,7 +88,7 @@ class Readings:
             return None
         x = t.detach()
         low, high = torch.aminmax(x)
-        if x.is_cpu and not self.queue_cpu:
+        if x.is_cpu:
             # No device to wait for: read the range now and count only in a tensor that needs it.
             lo, hi = low.item(), high.item()
             count = 0 if math.isfinite(lo) and math.isfinite(hi) else int(nonfinite_count(x))
@@ -186,115 +144,6 @@ class _GradGroup:
     roles: list[tuple[int, str, bool]] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Finding:
-    """Where non-finite values appeared first, with what a user needs to look for the cause.
-
-    Attributes:
-        phase: ``forward`` (a module's output), ``loss`` (made after the model), ``backward``
-            (a gradient with respect to a module's input) or ``parameter`` (only parameter
-            gradients are non-finite).
-        module: Qualified name of the module (``""`` is the model; empty for ``parameter``).
-        module_type: Its class name.
-        tensor: ``(path, reading)`` of the non-finite tensor: the output (forward), the loss, or
-            the gradient with respect to an input (backward). ``path`` is the dotted path inside a
-            nested structure, ``""`` for a bare tensor.
-        given: What the module was given: its inputs (forward) or the gradients with respect to its
-            outputs (backward), as ``(path, reading)``.
-        made_here: Whether this module made the values from finite ones (``False``: they came
-            from outside the selected modules, e.g. the batch, or code between modules).
-        batch_idx: The batch index of the call.
-        call: Which call of the module in the step (1-based), of ``calls``.
-        calls: How many times the module was called in the step.
-        shared_with: Other modules whose input is the same tensor; its gradient is the sum of
-            theirs, so any of them may have made the value.
-        parameters: ``(name, reading)`` of every parameter whose gradient is non-finite.
-    """
-
-    phase: Phase
-    module: str = ""
-    module_type: str = ""
-    tensor: tuple[str, Reading] | None = None
-    given: tuple[tuple[str, Reading], ...] = ()
-    made_here: bool = True
-    batch_idx: int | None = None
-    call: int = 1
-    calls: int = 1
-    shared_with: tuple[str, ...] = ()
-    parameters: tuple[tuple[str, Reading], ...] = ()
-
-    @property
-    def layer(self) -> str:
-        """The name a report goes under: the module's label, or ``parameters``."""
-        return "parameters" if self.phase == "parameter" else label(self.module)
-
-    def lines(self, step: int | None = None) -> list[str]:
-        """The report, one fact a line, most important first."""
-        who = f"`{label(self.module)}` ({self.module_type})"
-        if self.calls > 1:
-            who += f", call {self.call} of {self.calls}"
-        path, reading = self.tensor or ("", Reading(math.nan, math.nan, 0))
-        lines: list[str] = []
-        if self.phase == "forward":
-            out = f"output `{path}`" if path else "output"
-            if self.made_here:
-                lines.append(f"forward: {who} made non-finite values from finite inputs; {out}: {reading.bad()}")
-                lines.append(f"inputs: {_ranges(self.given, 'input')}")
-            else:
-                lines.append(
-                    f"forward: no selected module made non-finite values from finite ones; they first appear in the "
-                    f"{out} of {who}: {reading.bad()}"
-                )
-                lines.append(f"inputs (already non-finite): {_ranges(self.given, 'input')}")
-        elif self.phase == "loss":
-            lines.append(
-                f"loss: every selected module's output was finite but the loss is not ({reading.range()}): "
-                f"it was made after the selected modules, where the loss is computed"
-            )
-        elif self.phase == "backward":
-            grad = f"the gradient w.r.t. its input `{path}`" if path else "the gradient w.r.t. its input"
-            if self.made_here:
-                lines.append(f"backward: {who} made {grad} non-finite from finite output gradients: {reading.bad()}")
-                lines.append(f"gradients w.r.t. outputs: {_ranges(self.given, 'output')}")
-                if self.shared_with:
-                    lines.append(
-                        f"that input is also the input of {_names(self.shared_with)}: its gradient is the sum of "
-                        f"theirs, so any of these may have made it"
-                    )
-            else:
-                out = f"output `{path}`" if path else "output"
-                lines.append(
-                    f"backward: the gradient w.r.t. the {out} of {who} was already non-finite when it arrived "
-                    f"({reading.bad()}): it was made after the selected modules, in the loss or in code between them"
-                )
-        if self.parameters:
-            shown = ", ".join(f"`{name}` ({r.nonfinite:,} of {r.numel:,})" for name, r in self.parameters[:_SHOWN])
-            more = f" and {len(self.parameters) - _SHOWN} more" if len(self.parameters) > _SHOWN else ""
-            lines.append(f"parameter gradients with NaN/Inf values: {shown}{more}")
-        where = [f"step {step}"] if step is not None else []
-        if self.batch_idx is not None:
-            where.append(f"batch {self.batch_idx}")
-        if where:
-            lines.append(", ".join(where))
-        return lines
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-
-def _ranges(tensors: Sequence[tuple[str, Reading]], what: str) -> str:
-    if not tensors:
-        return "none measured"
-    shown = [f"{what} `{path}` {r.range()}" if path else f"{what} {r.range()}" for path, r in tensors[:_SHOWN]]
-    more = [f"{len(tensors) - _SHOWN} more"] if len(tensors) > _SHOWN else []
-    return "; ".join(shown + more)
-
-
-def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-
-
 def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int:
     return max((readings[slot].severity for _, slot in slots), default=FINITE)
 
@@ -313,11 +162,10 @@ class NonFiniteRecorder:
 
     Args:
         check_backward: Also watch gradients with respect to module inputs and outputs.
-        queue_cpu: See :class:`Readings`.
     """
 
-    def __init__(self, check_backward: bool = True, queue_cpu: bool = False) -> None:
-        self.check_backward, self.queue_cpu = check_backward, queue_cpu
+    def __init__(self, check_backward: bool = True) -> None:
+        self.check_backward = check_backward
         self.active = False
         self.batch_idx: int | None = None
         self.generation = 0
@@ -326,7 +174,7 @@ class NonFiniteRecorder:
     def clear(self) -> None:
         """Forget the step; gradient hooks still pending from it will do nothing."""
         self.generation += 1
-        self.readings = Readings(self.queue_cpu)
+        self.readings = Readings()
         self.calls: list[_Call] = []
         self.finished: list[int] = []
         self.groups: list[_GradGroup] = []
@@ -341,7 +189,7 @@ class NonFiniteRecorder:
 
     def __getstate__(self) -> dict[str, Any]:
         # A model pickled mid-step takes its hooks, and so this recorder, along: no weak references, no step.
-        return {"check_backward": self.check_backward, "queue_cpu": self.queue_cpu, "generation": self.generation}
+        return {"check_backward": self.check_backward, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, active=False, batch_idx=None)
@@ -588,12 +436,3 @@ def parameter_readings(
                 low, high = torch.aminmax(g.detach())
                 out.append((name, Reading(low.item(), high.item(), g.numel(), count)))
     return tuple(out)
-
-
-def with_parameters(finding: Finding | None, parameters: tuple[tuple[str, Reading], ...]) -> Finding | None:
-    """Add the non-finite parameter gradients to a finding, or make a ``parameter`` finding of them."""
-    if not parameters:
-        return finding
-    if finding is None:
-        return Finding("parameter", parameters=parameters)
-    return replace(finding, parameters=parameters)

@@ -26,6 +26,11 @@ def label(name: str) -> str:
     return name or ROOT_LABEL
 
 
+def output_label(module: str, path: str) -> str:
+    """``<layer>`` for a module's only output tensor, ``<layer>.out.<path>`` inside a nested output."""
+    return label(module) if not path else f"{label(module)}.out.{path}"
+
+
 def _known_module_types() -> set[str]:
     seen: set[str] = set()
     stack: list[type] = [nn.Module]
@@ -169,3 +174,16 @@ def is_compile_wrapper(module: nn.Module) -> bool:
 def _is_metric(module: nn.Module) -> bool:
     """torchmetrics metrics are modules for device placement only; they are not part of the model."""
     return any(cls.__module__.split(".")[0] == "torchmetrics" for cls in type(module).__mro__)
+
+
+def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
+    """``(qualified name, parameter)`` for the parameters owned by ``modules`` that require grad,
+    each shared parameter once, under its first name."""
+    seen: set[int] = set()
+    found: list[tuple[str, nn.Parameter]] = []
+    for name, module in modules:
+        for pname, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                found.append((f"{name}.{pname}" if name else pname, param))
+    return found

@@ -5,21 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
+from lightning_hooks._autograd import in_backward
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import Signature, call_inputs, format_signature, signature
 from lightning_hooks._select import ModuleSelector, label
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread.
-
-    Activation checkpointing re-runs ``forward`` (and so forward hooks) during backward;
-    ``torch.is_grad_enabled()`` cannot tell that recompute apart, the graph task id can.
-    """
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 @dataclass
@@ -108,7 +99,7 @@ def trace_shapes(model: nn.Module, *args: Any, selector: ModuleSelector | None =
 
     Example::
 
-        >>> from torch import nn
+        >>> import torch
         >>> model = nn.Sequential(nn.Linear(5, 3), nn.ReLU())
         >>> print(format_table(trace_shapes(model, torch.zeros(2, 5))))
         Layer  Type        Input   Output  Params

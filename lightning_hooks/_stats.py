@@ -1,66 +1,84 @@
-"""Per-tensor statistics computed on the tensor's device and brought to the host in one transfer.
+"""Per-tensor statistics: one state per key, combined on device, brought to the host in one transfer.
 
-Each tensor is reduced to a small row of *moments* (count, sum, sum of squares, abs-max, zeros,
-non-finite count) that combine exactly across calls of the same module, micro-batches and ranks;
-the statistics users see (norm, mean, std, ...) are derived from the combined row on the host.
-Histograms are counted on device too, from a bounded strided sample, so a large tensor costs
-little and nothing but the counts crosses to the host.
+Every statistic a user sees (norm, mean, std, ...) is derived from one *state* per key: a float64
+vector whose fields combine by ``+`` (count, sum, sum of squares, non-zeros, non-finite values,
+sum of magnitudes) or by ``max`` (largest magnitude), the idea of torchmetrics'
+``add_state(dist_reduce_fx=...)``. Several calls of a module, the micro-batches of a step, the
+processes of a DDP run (and the shards of a parameter) all pool through :func:`pool` and
+:meth:`StatBatch.fetch` with exactly those two reductions.
+
+What a call pays is :func:`observe`: a handful of cheap reductions of the tensor on its device.
+Observations are turned into states, pooled per key and, where asked, across processes at the end
+of the step, in a few vectorised kernels whatever the number of keys; the pooled states, the
+histograms and any extra scalars then cross to the host in one copy.
+
+Histograms keep a bounded, evenly strided sample of each call's finite values on device until the
+step is fetched, so that the buckets of a key are laid over the range of all of its calls and
+every sampled value is counted in the bucket that contains it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
-"""Every statistic a row can give."""
+"""Every statistic a state can give."""
 
 Key = tuple[str, str]
-"""``(group, name)``: what a row is of, e.g. ``("param", "fc1.weight")``."""
+"""``(group, name)``: what a state is of, e.g. ``("param", "fc1.weight")``."""
 
-_COUNT, _SUM, _SUMSQ, _ABS_MAX, _ZEROS, _NONFINITE, _ABS_SUM = range(7)
-MOMENT_WIDTH = 7
-RAW_WIDTH = 6
 HIST_SAMPLE = 1 << 16
-"""Histograms count at most this many elements of a tensor (an even stride through it)."""
+"""Histograms count at most this many elements of each call's tensor (an even stride through it)."""
 
 
-class Moments(NamedTuple):
-    """One tensor's reduction as computed on its device, in the fewest and cheapest kernels.
+class State(NamedTuple):
+    """The combinable statistics of one key, on the host. The last field combines by ``max``, the others by ``+``."""
+
+    numel: float = 0.0
+    sum: float = 0.0
+    sum_sq: float = 0.0
+    nonzero: float = 0.0
+    nonfinite: float = 0.0
+    abs_sum: float = 0.0
+    abs_max: float = 0.0
+
+
+WIDTH = len(State._fields)
+_SUMMED = WIDTH - 1
+"""Fields ``[:_SUMMED]`` of a state combine by ``+``, the rest by ``max``."""
+
+
+class Observation(NamedTuple):
+    """One tensor reduced on its device, before it becomes a state (see :func:`observe`).
 
     ``raw`` is a float64 ``[mean, spread, abs_max, abs_sum, nonzero, nonfinite]`` on the tensor's
-    device, where ``spread`` is the L2 norm of ``x - mean`` (``None`` for an empty tensor); the
-    element count ``numel`` is known on the host. :func:`row` turns the fetched values into the
-    combinable moment row ``[count, sum, sum_sq, abs_max, zeros, nonfinite, abs_sum]`` (on the
-    host, in float64, after the step's one transfer).
+    device, ``spread`` being the L2 norm of ``x - mean``; ``None`` for an empty tensor. ``numel``
+    is known on the host.
     """
 
     numel: int
     raw: torch.Tensor | None
 
-    def row(self) -> list[float]:
-        """The moment row on the host (one transfer; for tests and one-off use)."""
-        return row(self.numel, None if self.raw is None else self.raw.tolist())
 
+def observe(t: torch.Tensor) -> Observation:
+    """Reduce ``t`` on its device: what a call pays on a logging step.
 
-def moments(t: torch.Tensor) -> Moments:
-    """Reduce ``t`` on its device: what a logging step pays per tensor.
-
-    The spread is taken around the mean (two passes), so the variance keeps its precision when
-    it is tiny next to the squared mean; the sum of squares is rebuilt from both in float64 on
-    the host, so that rows of different tensors add up exactly. The kernels are chosen for their
-    cost on large tensors: ``count_nonzero`` counts zeros, and non-finite values (``|x| * 0`` is
-    NaN exactly for them) far faster than a boolean mask summed; ``var_mean`` and vector norms
-    of orders 1 and inf are several times slower than the plain reductions used here.
+    The spread is taken around the mean (two passes), so the variance keeps its precision when it
+    is tiny next to the squared mean; the sum of squares is rebuilt from both in float64 when the
+    observation becomes a state. The kernels are the cheapest measured on large tensors:
+    ``count_nonzero`` counts non-zeros, and non-finite values (``|x| * 0`` is NaN exactly for
+    them), far faster than a boolean mask summed; ``var_mean`` and vector norms of orders 1 and inf
+    are several times slower than the plain reductions used here.
     """
     x = t.detach()
     n = x.numel()
     if n == 0:
-        return Moments(0, None)
+        return Observation(0, None)
     xf = x.float()  # itself when already float32
     mean = xf.mean()
     magnitude = xf.abs()
@@ -74,73 +92,99 @@ def moments(t: torch.Tensor) -> Moments:
             torch.count_nonzero(magnitude * 0),
         ]
     )
-    return Moments(n, raw)
+    return Observation(n, raw)
 
 
-def row(count: int, raw: Sequence[float] | None) -> list[float]:
-    """The moment row of a tensor of ``count`` elements from its fetched ``raw`` values."""
-    if raw is None:
-        return [0.0] * MOMENT_WIDTH
-    mean, spread, abs_max, abs_sum, nonzero, nonfinite = raw
-    return [count, mean * count, spread * spread + count * mean * mean, abs_max, count - nonzero, nonfinite, abs_sum]
+def state(t: torch.Tensor) -> State:
+    """The state of one tensor, on the host (one transfer; for one-off use and tests).
+
+    Example::
+
+        >>> derive(state(torch.tensor([3.0, 0.0, -4.0])), ["mean", "abs_max", "nonfinite"])
+        {'mean': -0.3333333432674408, 'abs_max': 4.0, 'nonfinite': 0.0}
+    """
+    return State._make(states([observe(t)], t.device)[0].tolist())
 
 
-def combine(rows: Sequence[Sequence[float]]) -> list[float]:
-    """One moment row for several (on the host): sums add, the abs-max is the largest (NaN wins)."""
-    if len(rows) == 1:
-        return list(rows[0])
-    out = [math.fsum(column) for column in zip(*rows, strict=True)]
-    peaks = [r[_ABS_MAX] for r in rows if r[_COUNT]]
-    out[_ABS_MAX] = math.nan if any(math.isnan(p) for p in peaks) else max(peaks, default=0.0)
+def states(observations: Sequence[Observation], device: torch.device) -> torch.Tensor:
+    """The ``(len(observations), WIDTH)`` float64 states of ``observations``, on ``device``, in a few kernels."""
+    empty = torch.zeros(6, dtype=torch.float64, device=device)
+    raw = torch.stack([empty if o.raw is None else o.raw.to(device) for o in observations])
+    count = torch.tensor([float(o.numel) for o in observations], dtype=torch.float64, device=device)
+    mean, spread, abs_max, abs_sum, nonzero, nonfinite = raw.unbind(1)
+    total = mean * count
+    sum_sq = torch.addcmul(spread * spread, total, mean)  # spread² + n·mean²
+    return torch.stack([count, total, sum_sq, nonzero, nonfinite, abs_sum, abs_max], dim=1)
+
+
+def pool(table: torch.Tensor, index: torch.Tensor, keys: int) -> torch.Tensor:
+    """Combine the rows of ``table`` that share an ``index`` into ``keys`` states: ``+``, and ``max`` (NaN wins)."""
+    out = table.new_zeros(keys, WIDTH)
+    out[:, :_SUMMED].index_add_(0, index, table[:, :_SUMMED])
+    peaks = table[:, _SUMMED:]
+    out[:, _SUMMED:].scatter_reduce_(0, index.unsqueeze(1), peaks, "amax")
+    # A NaN peak must win whatever scatter's amax does with NaN on a given device.
+    nan_peaks = table.new_zeros(keys, 1).index_add_(0, index, peaks.isnan().to(table.dtype))
+    out[:, _SUMMED:] = torch.where(nan_peaks > 0, math.nan, out[:, _SUMMED:])
     return out
 
 
-def device_row(m: Moments, device: torch.device) -> torch.Tensor:
-    """The moment row of ``m`` as a float64 tensor on ``device`` (for collectives across processes)."""
-    if m.raw is None:
-        return torch.zeros(MOMENT_WIDTH, dtype=torch.float64, device=device)
-    mean, spread, abs_max, abs_sum, nonzero, nonfinite = m.raw.unbind()
-    n = float(m.numel)
-    sum_sq = spread * spread + n * mean * mean
-    return torch.stack([mean.new_tensor(n), mean * n, sum_sq, abs_max, n - nonzero, nonfinite, abs_sum])
+def combine(rows: Iterable[State]) -> State:
+    """One state for several on the host (a layer's weight and bias in a figure): ``+``, and ``max`` (NaN wins)."""
+    rows = list(rows)
+    summed = [math.fsum(column) for column in zip(*(r[:_SUMMED] for r in rows), strict=True)]
+    peaks = [r.abs_max for r in rows if r.numel]
+    peak = math.nan if any(math.isnan(p) for p in peaks) else max(peaks, default=0.0)
+    return State._make([*summed, peak]) if rows else State()
 
 
-def derive(row: Sequence[float], stats: Sequence[str] = STATS) -> dict[str, float]:
-    """The named statistics of a combined moment row (on the host)."""
-    n = row[_COUNT]
+def derive(state: State, stats: Sequence[str] = STATS) -> dict[str, float]:
+    """The named statistics of a state (on the host); nothing for an empty one."""
+    n = state.numel
     if n == 0:
         return {}
-    mean = row[_SUM] / n
+    mean = state.sum / n
+    squares = state.sum_sq
     values = {
-        "norm": math.sqrt(max(row[_SUMSQ], 0.0)) if math.isfinite(row[_SUMSQ]) else row[_SUMSQ],
+        "norm": math.sqrt(max(squares, 0.0)) if math.isfinite(squares) else squares,
         "mean": mean,
-        "std": math.sqrt(max(row[_SUMSQ] / n - mean * mean, 0.0)) if math.isfinite(row[_SUMSQ]) else math.nan,
-        "abs_max": row[_ABS_MAX],
-        "zero_frac": row[_ZEROS] / n,
-        "nonfinite": row[_NONFINITE],
+        "std": math.sqrt(max(squares / n - mean * mean, 0.0)) if math.isfinite(squares) else math.nan,
+        "abs_max": state.abs_max,
+        "zero_frac": 1.0 - state.nonzero / n,
+        "nonfinite": state.nonfinite,
     }
     return {name: values[name] for name in stats}
 
 
-def abs_mean(row: Sequence[float]) -> float:
-    """Mean absolute value of a combined moment row (``nan`` for an empty row); the gradient-flow figure's bars."""
-    return row[_ABS_SUM] / row[_COUNT] if row[_COUNT] else math.nan
+def abs_mean(state: State) -> float:
+    """Mean absolute value (``nan`` for an empty state); the gradient-flow figure's bars."""
+    return state.abs_sum / state.numel if state.numel else math.nan
 
 
-def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
-    """A float64 row ``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]`` over finite values.
+def norm_total(states: Iterable[State]) -> float:
+    """The 2-norm of all the tensors behind ``states`` together (``grad_norm_total``)."""
+    return math.sqrt(math.fsum(max(s.sum_sq, 0.0) for s in states))
 
-    Counted on device from at most :data:`HIST_SAMPLE` evenly strided elements, with
-    ``scatter_add`` so that nothing waits for the host.
-    """
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """At most :data:`HIST_SAMPLE` evenly strided elements of ``t``, copied (a later in-place op cannot change them)."""
     x = t.detach().flatten()
     if x.numel() > HIST_SAMPLE:
         x = x[:: math.ceil(x.numel() / HIST_SAMPLE)]
-    x = x.double()
+    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32, copy=True)
+
+
+def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """A float64 row ``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]`` over the finite ``values``.
+
+    ``bins`` equal buckets from the smallest to the largest finite value, the last one closed, as
+    ``torch.histc`` lays them; counted on device with ``scatter_add`` so that nothing waits for the host.
+    """
+    x = values.detach().flatten().double()
     finite = torch.isfinite(x)
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    lo = torch.where(finite, x, torch.full_like(x, math.inf)).amin() if x.numel() else zero
-    hi = torch.where(finite, x, torch.full_like(x, -math.inf)).amax() if x.numel() else zero
+    lo = torch.where(finite, x, math.inf).amin() if x.numel() else zero
+    hi = torch.where(finite, x, -math.inf).amax() if x.numel() else zero
     safe = torch.where(finite, x, zero)
     width = torch.clamp(hi - lo, min=1e-12)
     index = ((safe - lo) / width * bins).floor().clamp(0, bins - 1).long()
@@ -169,115 +213,111 @@ class Histogram:
         return cls(lo, hi, num, total, squares, [lo + width * (i + 1) for i in range(len(counts))], counts)
 
 
-@dataclass
-class StatBatch:
-    """Rows queued on device during a step, fetched with a single device-to-host copy.
+class Across(NamedTuple):
+    """How :meth:`StatBatch.fetch` pools states over processes (DDP ranks, parameter shards).
 
-    Rows under the same key (a module called twice, several micro-batches) are combined. Rows
-    are taken only while ``open``: a tensor hook that fires after the batch was fetched (a late
-    backward) adds nothing to the next one.
+    Every process calls ``fetch`` with the same ``groups``; ``agree`` turns this process's keys of
+    those groups into the sorted union of every process's (a collective), and ``reduce(tensor, op)``
+    is a collective with ``op`` in ``"sum"``, ``"max"``.
     """
 
+    groups: frozenset[str]
+    agree: Callable[[list[Key]], list[Key]]
+    reduce: Callable[[torch.Tensor, str], torch.Tensor]
+
+
+class Fetched(NamedTuple):
+    """A step's statistics on the host."""
+
+    states: dict[Key, State]
+    histograms: dict[Key, Histogram]
+    scalars: dict[Key, float]
+
+
+@dataclass
+class StatBatch:
+    """What a step records, kept on device and fetched with a single device-to-host copy.
+
+    Observations under the same key (a module called twice, several micro-batches) are pooled.
+    Nothing is taken unless ``open``: a tensor hook that fires after the batch was fetched (a
+    late backward) adds nothing to the next one.
+    """
+
+    bins: int = 64
     open: bool = False
-    moments: dict[Key, list[Moments]] = field(default_factory=dict)
-    pooled: dict[Key, torch.Tensor] = field(default_factory=dict)
-    histograms: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    observations: dict[Key, list[Observation]] = field(default_factory=dict)
+    samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.moments) + len(self.pooled) + len(self.histograms) + len(self.extra)
+        return len(self.observations) + len(self.samples) + len(self.extra)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
-    def add_moments(self, key: Key, m: Moments) -> None:
-        if self.open:
-            self.moments.setdefault(key, []).append(m)
+    def clear(self) -> None:
+        self.observations, self.samples, self.extra = {}, {}, {}
+        self.open = False
 
-    def add_histogram(self, key: Key, row: torch.Tensor) -> None:
+    def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
+        """Observe ``t`` under ``key``, and keep a sample of it for the key's histogram if asked."""
         if self.open:
-            self.histograms.setdefault(key, []).append(row)
+            self.observations.setdefault(key, []).append(observe(t))
+            if histogram:
+                self.samples.setdefault(key, []).append(sample(t))
 
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
         if self.open:
             self.extra[key] = value.detach().double().reshape(1)
 
-    def clear(self) -> None:
-        self.moments, self.pooled, self.histograms, self.extra = {}, {}, {}, {}
-        self.open = False
-
-    def reduce(self, reduce: Callable[[torch.Tensor, str], torch.Tensor], keys: list[Key]) -> None:
-        """Pool the moment rows under ``keys`` across processes (before :meth:`fetch`).
-
-        ``reduce(tensor, op)`` is a collective with ``op`` in ``"sum"``, ``"max"`` that every
-        process calls with the same ``keys`` (missing rows count as empty).
-        """
-        if not keys:
-            return
-        device = next((m.raw.device for ms in self.moments.values() for m in ms if m.raw is not None), None)
-        device = device or torch.device("cpu")
-        empty = torch.zeros(1, MOMENT_WIDTH, dtype=torch.float64, device=device)
-        # One (calls x MOMENT_WIDTH) block of device rows per key; a key this process never saw is one empty row.
-        rows = [
-            torch.stack([device_row(m, device) for m in self.moments[k]]) if k in self.moments else empty for k in keys
-        ]
-        table = torch.stack([r.sum(dim=0) for r in rows])
-        peaks = torch.stack([r[:, _ABS_MAX].amax() for r in rows])
-        summed = reduce(table, "sum")
-        summed[:, _ABS_MAX] = reduce(peaks, "max")
-        for key, pooled in zip(keys, summed, strict=True):
-            self.moments.pop(key, None)
-            self.pooled[key] = pooled
-
-    def fetch(self) -> tuple[dict[Key, list[float]], dict[Key, Histogram], dict[Key, float]]:
-        """Combine, move everything to the host in one copy, and empty the batch."""
-        parts: list[torch.Tensor] = []
-        layout: list[tuple[str, Key, list[int]]] = []  # kind, key, counts of the raw moments
-        for key, ms in self.moments.items():
-            layout.append(("m", key, [m.numel for m in ms]))
-            parts.extend(m.raw for m in ms if m.raw is not None)
-        for key, pooled in self.pooled.items():
-            layout.append(("p", key, []))
-            parts.append(pooled)
-        for key, rows in self.histograms.items():
-            parts.append(_combine_histograms(rows))
-            layout.append(("h", key, [parts[-1].numel()]))
-        for key, value in self.extra.items():
-            parts.append(value)
-            layout.append(("x", key, []))
+    def fetch(self, across: Across | None = None) -> Fetched:
+        """Pool, move everything to the host in one copy, and empty the batch."""
+        observations, samples, extra = self.observations, self.samples, self.extra
         self.clear()  # closes the batch too
+        device = next(
+            (o.raw.device for obs in observations.values() for o in obs if o.raw is not None),
+            next((v.device for v in [*extra.values(), *(s[0] for s in samples.values())]), torch.device("cpu")),
+        )
+        local = list(observations)
+        shared: list[Key] = []
+        if across is not None:
+            shared = across.agree(sorted(k for k in local if k[0] in across.groups))
+            local = [k for k in local if k[0] not in across.groups]
+        parts: list[torch.Tensor] = []
+        if local:
+            parts.append(_pooled(local, observations, device))
+        if shared:
+            assert across is not None
+            table = _pooled(shared, observations, device)
+            table[:, :_SUMMED] = across.reduce(table[:, :_SUMMED].contiguous(), "sum")
+            table[:, _SUMMED:] = across.reduce(table[:, _SUMMED:].contiguous(), "max")
+            parts.append(table)
+        hist_keys = list(samples)
+        parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
+        parts.extend(v.to(device) for v in extra.values())
         if not parts:
-            return {}, {}, {}
-        device = parts[0].device
-        flat = torch.cat([p.to(device) for p in parts]).tolist()  # the one host transfer
-        moment_rows: dict[Key, list[float]] = {}
-        hists: dict[Key, Histogram] = {}
-        scalars: dict[Key, float] = {}
+            return Fetched({}, {}, {})
+        flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
+        found: dict[Key, State] = {}
         offset = 0
-
-        def take(width: int) -> list[float]:
-            nonlocal offset
+        for key in [*local, *shared]:
+            found[key] = State(*flat[offset : offset + WIDTH])
+            offset += WIDTH
+        width = 5 + self.bins
+        hists: dict[Key, Histogram] = {}
+        for key in hist_keys:
+            hists[key] = Histogram.from_row(flat[offset : offset + width])
             offset += width
-            return flat[offset - width : offset]
-
-        for kind, key, sizes in layout:
-            if kind == "m":
-                moment_rows[key] = combine([row(n, take(RAW_WIDTH) if n else None) for n in sizes])
-            elif kind == "p":
-                moment_rows[key] = take(MOMENT_WIDTH)
-            elif kind == "h":
-                hists[key] = Histogram.from_row(take(sizes[0]))
-            else:
-                scalars[key] = take(1)[0]
-        return moment_rows, hists, scalars
+        scalars = dict(zip(extra, flat[offset:], strict=True))
+        return Fetched(found, hists, scalars)
 
 
-def _combine_histograms(rows: list[torch.Tensor]) -> torch.Tensor:
-    # Several calls of one module: keep the first call's buckets (their ranges differ), add the rest's totals.
-    if len(rows) == 1:
-        return rows[0]
-    first = rows[0].clone()
-    stacked = torch.stack(rows)
-    first[0], first[1] = stacked[:, 0].amin(), stacked[:, 1].amax()
-    return first
+def _pooled(keys: list[Key], observations: dict[Key, list[Observation]], device: torch.device) -> torch.Tensor:
+    """One state per key of ``keys``, on ``device`` (a key without observations is an empty state)."""
+    listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, [Observation(0, None)])]
+    table = states([o for _, o in listed], device)
+    if len(listed) == len(keys):
+        return table
+    index = torch.tensor([i for i, _ in listed], device=device)
+    return pool(table, index, len(keys))

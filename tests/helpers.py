@@ -60,6 +60,14 @@ class TinyNet(pl.LightningModule):
         return DataLoader(TensorDataset(self.x[:5], self.y[:5]), batch_size=5)
 
 
+class Probe(pl.Callback):
+    """Calls ``look(trainer, pl_module)`` at a hook of the fit, after the callbacks listed before it ran theirs."""
+
+    def __init__(self, hook: str, look: Any) -> None:
+        self.seen: list[Any] = []
+        setattr(self, hook, lambda trainer, pl_module, *args: self.seen.append(look(trainer, pl_module, *args)))
+
+
 def make_trainer(
     tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool | Logger = True, **kwargs: Any
 ) -> pl.Trainer:

@@ -1,8 +1,16 @@
 """Constructors refuse bad arguments at once, naming the callback, the argument, the value and the fix."""
 
-import pytest
+import os
+from pathlib import Path
 
-from lightning_hooks import GradClamp, ShapeLogger
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_hooks import GradClamp, GradStats, ShapeLogger
+from tests.helpers import TinyNet, hook_state, make_trainer
 
 
 @pytest.mark.parametrize(
@@ -54,16 +62,30 @@ def test_grad_clamp_mode() -> None:
         GradClamp(0.2, mode="sum")  # type: ignore[arg-type]
 
 
-def test_sharded_strategies_are_refused_with_the_fix() -> None:
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    from lightning_hooks.callbacks._base import refuse_sharded
-
-    # FSDP needs a GPU to run; the strategy object itself is real and is what `setup` inspects.
-    with pytest.raises(
-        MisconfigurationException,
-        match=r"`GradClamp\(mode='backward'\)` does not support .*FSDPStrategy.*use `mode='accumulated'`",
-    ):
-        refuse_sharded(FSDPStrategy(), "`GradClamp(mode='backward')`", "use `mode='accumulated'`")
-    refuse_sharded(DDPStrategy(), "`GradClamp(mode='backward')`", "use `mode='accumulated'`")
+@pytest.mark.parametrize(
+    ("callback", "match"),
+    [
+        (
+            GradClamp(0.2),
+            r"`GradClamp\(mode='backward'\)` does not support .*ModelParallelStrategy.*use `mode='accumulated'`",
+        ),
+        (
+            GradStats(),
+            r"`GradStats\(param_grads=True\)` does not support .*ModelParallelStrategy.*set `param_grads=False`",
+        ),
+    ],
+    ids=["GradClamp", "GradStats"],
+)
+def test_sharded_strategies_are_refused_at_setup_with_the_fix(tmp_path: Path, callback: Callback, match: str) -> None:
+    trainer = make_trainer(tmp_path, [callback], strategy=ModelParallelStrategy(), logger=False, max_steps=1)
+    model = TinyNet()
+    environment = dict(os.environ)
+    try:
+        with pytest.raises(MisconfigurationException, match=match):
+            trainer.fit(model)
+    finally:  # Lightning leaves its one-process group and its rendezvous port behind; later tests must not see them
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+    assert hook_state(model) == hook_state(TinyNet())

@@ -14,17 +14,17 @@ from lightning_hooks._figures import (
     render_zero_fraction,
     zero_fraction_series,
 )
-from lightning_hooks._stats import abs_mean, moments
+from lightning_hooks._stats import State, abs_mean, state
 
 
-def rows(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    return {name: moments(t).row() for name, t in tensors.items()}
+def rows(tensors: dict[str, torch.Tensor]) -> dict[str, State]:
+    return {name: state(t) for name, t in tensors.items()}
 
 
 def test_abs_mean_of_combined_moments_is_the_mean_absolute_value() -> None:
     t = torch.randn(1000, generator=torch.Generator().manual_seed(0)) - 0.3
-    assert abs_mean(moments(t).row()) == pytest.approx(float(t.abs().double().mean()), rel=1e-6)
-    assert math.isnan(abs_mean(moments(torch.zeros(0)).row()))
+    assert abs_mean(state(t)) == pytest.approx(float(t.abs().double().mean()), rel=1e-6)
+    assert math.isnan(abs_mean(state(torch.zeros(0))))
 
 
 def test_gradient_flow_pools_a_modules_parameters_in_model_order() -> None:

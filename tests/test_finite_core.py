@@ -7,16 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks._finite import (
-    INF,
-    NAN,
-    NonFiniteRecorder,
-    Reading,
-    Readings,
-    find_nonfinite,
-    grad_readings,
-    parameter_readings,
-)
+from lightning_hooks._finding import INF, NAN, Reading
+from lightning_hooks._finite import NonFiniteRecorder, Readings, find_nonfinite, grad_readings, parameter_readings
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector
 
@@ -47,7 +39,6 @@ class BadBackward(nn.Module):
         return NaNGrad.apply(x)
 
 
-@pytest.mark.parametrize("queue_cpu", [False, True], ids=["read-at-once", "queued"])
 @pytest.mark.parametrize(
     ("values", "dtype", "expected"),
     [
@@ -59,10 +50,10 @@ class BadBackward(nn.Module):
     ],
     ids=["finite", "nan", "half-inf", "bf16-neg-inf", "double"],
 )
-def test_readings_are_the_same_read_at_once_or_queued(
-    values: list[float], dtype: torch.dtype, expected: Reading, queue_cpu: bool
+def test_readings_give_range_size_and_nonfinite_count(
+    values: list[float], dtype: torch.dtype, expected: Reading
 ) -> None:
-    readings = Readings(queue_cpu=queue_cpu)
+    readings = Readings()
     slot = readings.take(torch.tensor(values, dtype=dtype))
     got, extra = readings.read([torch.tensor(7.0)])
     assert slot is not None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hooks import GradClamp
-from tests.helpers import TinyNet, make_trainer, scalars
+from tests.helpers import Probe, TinyNet, make_trainer, scalars
 
 
 def _fit(tmp_path: Path, model: TinyNet, **kwargs: object) -> TinyNet:
@@ -43,23 +43,24 @@ def test_clamped_fraction_matches_an_independent_count(tmp_path: Path) -> None:
     assert logged[0] == pytest.approx(expected, rel=1e-6)
 
 
+def hooked_parameters(trainer: object, model: torch.nn.Module, *args: object) -> dict[str, int]:
+    return {name: len(p._backward_hooks) for name, p in model.named_parameters() if p._backward_hooks}
+
+
 def test_frozen_parameters_are_skipped(tmp_path: Path) -> None:
     model = TinyNet()
     model.fc1.requires_grad_(False)
-    clamp = GradClamp(0.1)
-    make_trainer(tmp_path, [clamp], logger=False, max_steps=1).fit(model)
-    clamp.on_fit_start(None, model)  # type: ignore[arg-type]  # attach again to inspect
-    hooked = {name for name, p in model.named_parameters() if p._backward_hooks}
-    assert hooked == {"fc2.weight", "fc2.bias", "head.weight", "head.bias", "unused.weight", "unused.bias"}
-    assert len(clamp._handles) == len(hooked)
-    clamp.on_fit_end(None, model)  # type: ignore[arg-type]
+    probe = Probe("on_train_batch_start", hooked_parameters)
+    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1).fit(model)
+    names = {"fc2.weight", "fc2.bias", "head.weight", "head.bias", "unused.weight", "unused.bias"}
+    assert probe.seen == [dict.fromkeys(names, 1)]
     assert not any(p._backward_hooks for p in model.parameters())
 
 
-def test_tied_weight_is_hooked_once() -> None:
+def test_tied_weight_is_hooked_once(tmp_path: Path) -> None:
     model = TinyNet()
     model.unused.weight = model.fc2.weight  # a (8, 8) weight shared by two modules
-    clamp = GradClamp(0.1)
-    clamp.on_fit_start(None, model)  # type: ignore[arg-type]
-    assert len(model.fc2.weight._backward_hooks) == 1
-    clamp.on_fit_end(None, model)  # type: ignore[arg-type]
+    probe = Probe("on_train_batch_start", hooked_parameters)
+    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1).fit(model)
+    assert probe.seen[0]["fc2.weight"] == 1
+    assert not any(p._backward_hooks for p in model.parameters())

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import GradStats
-from tests.helpers import TinyNet, events, make_trainer, scalars
+from tests.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars
 from tests.zoo import ResNetish
 
 
@@ -120,10 +120,10 @@ def test_csv_logger_gets_scalars_and_one_warning_about_histograms(tmp_path: Path
 
 
 def test_no_logger_warns_once_and_attaches_nothing(tmp_path: Path) -> None:
-    stats = GradStats(log_every_n_steps=1)
+    probe = Probe("on_train_batch_start", lambda trainer, model, *args: hook_state(model))
     with pytest.warns(UserWarning, match="`GradStats` has no logger"):
-        make_trainer(tmp_path, [stats], logger=False, max_steps=2).fit(TinyNet())
-    assert not stats._batch.moments
+        make_trainer(tmp_path, [GradStats(log_every_n_steps=1), probe], logger=False, max_steps=2).fit(TinyNet())
+    assert probe.seen == [hook_state(TinyNet())] * 2
 
 
 @pytest.mark.parametrize(

@@ -132,9 +132,9 @@ class CountingGuard(NonFiniteGuard):
         super().__init__(**kwargs)
         self.measured: dict[int, int] = {}
 
-    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None) -> None:
-        self.measured[trainer.global_step] = len(self._recorder)
-        super()._check(trainer, optimizer)
+    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+        self.measured[step] = len(self._recorder)
+        super()._check(trainer, optimizer, step)
 
 
 @pytest.mark.parametrize("model", [TinyNet, ResNetish], ids=["tiny", "resnet-inplace-relu"])

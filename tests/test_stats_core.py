@@ -1,9 +1,24 @@
+"""The statistics core on plain tensors: states, pooling, histograms and the one host transfer."""
+
 import math
 
 import pytest
 import torch
 
-from lightning_hooks._stats import HIST_SAMPLE, STATS, StatBatch, combine, derive, histogram, moments
+from lightning_hooks._stats import (
+    HIST_SAMPLE,
+    Across,
+    StatBatch,
+    State,
+    combine,
+    derive,
+    histogram,
+    norm_total,
+    observe,
+    pool,
+    state,
+    states,
+)
 
 
 def reference(t: torch.Tensor) -> dict[str, float]:
@@ -18,67 +33,132 @@ def reference(t: torch.Tensor) -> dict[str, float]:
     }
 
 
+def seeded(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize(
     "tensor",
     [
-        torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5 + 3,
-        torch.relu(torch.randn(64, 32, generator=torch.Generator().manual_seed(1))),
+        seeded(1000, seed=0) * 5 + 3,
+        torch.relu(seeded(64, 32, seed=1)),
         torch.full((7,), 2.5),
         torch.tensor([1.0]),
-        torch.randn(3, 4, generator=torch.Generator().manual_seed(2)).half(),
+        seeded(3, 4, seed=2).half(),
         torch.arange(10),
     ],
     ids=["shifted", "relu", "constant", "single", "half", "int"],
 )
-def test_moments_give_the_reference_statistics(tensor: torch.Tensor) -> None:
-    got = derive(moments(tensor).row())
+def test_a_state_gives_the_reference_statistics(tensor: torch.Tensor) -> None:
+    got = derive(state(tensor))
     for name, value in reference(tensor).items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
 
 
 def test_nonfinite_values_are_counted() -> None:
-    t = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
-    got = derive(moments(t).row())
+    got = derive(state(torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])))
     assert got["nonfinite"] == 3
     assert got["zero_frac"] == pytest.approx(0.2)
     assert math.isnan(got["mean"])
 
 
-def test_combined_rows_equal_the_concatenation() -> None:
-    generator = torch.Generator().manual_seed(3)
-    parts = [torch.randn(n, generator=generator) * (i + 1) + i for i, n in enumerate((10, 300, 1))]
-    got = derive(combine([moments(p).row() for p in parts]))
+def test_pooled_states_equal_the_concatenation() -> None:
+    parts = [seeded(n, seed=3 + i) * (i + 1) + i for i, n in enumerate((10, 300, 1))]
+    table = states([observe(p) for p in parts], torch.device("cpu"))
+    pooled = State._make(pool(table, torch.tensor([0, 0, 0]), 1)[0].tolist())
+    got = derive(pooled)
     for name, value in reference(torch.cat(parts)).items():
         assert got[name] == pytest.approx(value, rel=1e-5), name
+    assert derive(combine([state(p) for p in parts])) == pytest.approx(got, rel=1e-12)
+
+
+def test_pooling_keeps_keys_apart() -> None:
+    a, b = seeded(50, seed=7), seeded(20, seed=8) * 3
+    table = states([observe(a[:30]), observe(b), observe(a[30:])], torch.device("cpu"))
+    pooled = pool(table, torch.tensor([0, 1, 0]), 2)
+    assert derive(State._make(pooled[0].tolist())) == pytest.approx(reference(a), rel=1e-5)
+    assert derive(State._make(pooled[1].tolist())) == pytest.approx(reference(b), rel=1e-5)
+
+
+def test_a_nan_peak_wins_the_max_in_any_order() -> None:
+    table = states([observe(torch.tensor([1.0, float("nan")])), observe(torch.tensor([5.0]))], torch.device("cpu"))
+    for order in ([0, 1], [1, 0]):
+        pooled = pool(table[order], torch.tensor([0, 0]), 1)
+        assert math.isnan(State._make(pooled[0].tolist()).abs_max)
+    finite = states([observe(torch.tensor([1.0, -7.0])), observe(torch.tensor([5.0]))], torch.device("cpu"))
+    assert State._make(pool(finite, torch.tensor([0, 0]), 1)[0].tolist()).abs_max == 7.0
 
 
 def test_empty_tensor_gives_no_statistics() -> None:
-    assert derive(moments(torch.zeros(0)).row()) == {}
+    assert derive(state(torch.zeros(0))) == {}
+
+
+def test_norm_total_is_the_norm_of_all_tensors_together() -> None:
+    parts = [seeded(9, seed=9), seeded(4, 4, seed=10)]
+    expected = float(torch.linalg.vector_norm(torch.cat([p.flatten() for p in parts]).double()))
+    assert norm_total(state(p) for p in parts) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tiny_spread_around_a_large_mean_keeps_its_precision() -> None:
+    t = 1000 + 1e-3 * seeded(4096, seed=5)
+    assert derive(state(t))["std"] == pytest.approx(reference(t)["std"], rel=1e-3)
 
 
 def test_histogram_matches_histc_and_skips_nonfinite() -> None:
-    t = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    t = seeded(5000, seed=4)
     row = histogram(torch.cat([t, torch.tensor([float("nan"), float("inf")])]), 20).tolist()
     lo, hi, num = row[:3]
     assert (lo, hi) == (pytest.approx(float(t.min())), pytest.approx(float(t.max())))
     assert num == 5000
-    expected = torch.histc(t.double(), bins=20, min=lo, max=hi)
-    assert row[5:] == pytest.approx(expected.tolist(), abs=1)  # edge values may fall either side
-    assert sum(row[5:]) == 5000
+    assert row[5:] == torch.histc(t.double(), bins=20, min=lo, max=hi).tolist()
 
 
-def test_histogram_samples_large_tensors() -> None:
-    row = histogram(torch.ones(HIST_SAMPLE * 3 + 1), 8).tolist()
-    assert row[2] <= HIST_SAMPLE
+def fetch_histogram(calls: list[torch.Tensor], bins: int) -> tuple[list[float], list[float], float]:
+    batch = StatBatch(bins)
+    batch.start()
+    for values in calls:
+        batch.add(("act", "layer"), values, histogram=True)
+    hist = batch.fetch().histograms[("act", "layer")]
+    return hist.bucket_limits, hist.bucket_counts, hist.num
+
+
+def test_a_histogram_of_several_calls_counts_every_call_in_the_right_bucket() -> None:
+    # The reproduction of the bug: 1,000 values in [0, 1] then 3,000 in [10, 11].
+    first = torch.rand(1000, generator=torch.Generator().manual_seed(11))
+    second = 10 + torch.rand(3000, generator=torch.Generator().manual_seed(12))
+    limits, counts, num = fetch_histogram([first, second], 4)
+    everything = torch.cat([first, second]).double()
+    assert num == 4000
+    assert sum(counts) == 4000
+    assert limits[-1] == pytest.approx(float(everything.max()))
+    expected = torch.histc(everything, bins=4, min=float(everything.min()), max=float(everything.max()))
+    assert counts == expected.tolist()
+    assert counts[0] == 1000
+    assert counts[-1] == 3000
+
+
+def test_histograms_sample_each_call_of_a_large_tensor() -> None:
+    _, counts, num = fetch_histogram([torch.ones(HIST_SAMPLE * 3 + 1), torch.zeros(10)], 8)
+    assert num <= HIST_SAMPLE + 10
+    assert counts[0] == 10
+
+
+def test_a_histogram_sample_is_a_copy_that_later_in_place_ops_do_not_change() -> None:
+    batch = StatBatch(4)
+    batch.start()
+    x = torch.arange(8.0)
+    batch.add(("act", "x"), x, histogram=True)
+    x.mul_(100)
+    hist = batch.fetch().histograms[("act", "x")]
+    assert hist.max == 7.0
 
 
 def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = StatBatch()
+    batch = StatBatch(4)
     batch.start()
     for i in range(5):
-        batch.add_moments(("act", f"layer{i}"), moments(torch.randn(10)))
-        batch.add_moments(("act", f"layer{i}"), moments(torch.randn(3)))
-        batch.add_histogram(("act", f"layer{i}"), histogram(torch.randn(10), 4))
+        batch.add(("act", f"layer{i}"), torch.randn(10), histogram=True)
+        batch.add(("act", f"layer{i}"), torch.randn(3))
     batch.add_scalar(("ratio", "w"), torch.tensor(0.5))
     calls: list[str] = []
     for name in ("cpu", "tolist", "item", "numpy"):
@@ -86,37 +166,50 @@ def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(
             torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k)
         )
-    rows, hists, extra = batch.fetch()
+    fetched = batch.fetch()
     assert calls == ["tolist"]
-    assert len(rows) == 5
-    assert rows[("act", "layer0")][0] == 13
-    assert len(hists) == 5
-    assert extra == {("ratio", "w"): 0.5}
+    assert len(fetched.states) == 5
+    assert fetched.states[("act", "layer0")].numel == 13
+    assert fetched.histograms[("act", "layer0")].num == 10
+    assert fetched.scalars == {("ratio", "w"): 0.5}
     assert len(batch) == 0
+
+
+def test_fetch_pools_chosen_groups_across_processes_with_sum_and_max() -> None:
+    # Two "processes" simulated by one: every collective sees this process's table and a peer's.
+    peer = states([observe(torch.tensor([-9.0, 1.0]))], torch.device("cpu"))
+    ops: list[str] = []
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        ops.append(op)
+        other = peer[:, :-1] if op == "sum" else peer[:, -1:]
+        return tensor + other if op == "sum" else torch.maximum(tensor, other)
+
+    batch = StatBatch()
+    batch.start()
+    batch.add(("out", "fc"), torch.tensor([2.0, 3.0]))
+    batch.add(("param", "fc.weight"), torch.tensor([4.0]))
+    fetched = batch.fetch(Across(frozenset({"out"}), lambda keys: keys, reduce))
+    assert ops == ["sum", "max"]
+    assert derive(fetched.states[("out", "fc")]) == pytest.approx(reference(torch.tensor([2.0, 3.0, -9.0, 1.0])))
+    assert fetched.states[("param", "fc.weight")] == state(torch.tensor([4.0]))
+
+
+def test_a_key_only_another_process_saw_is_pooled_as_empty_here() -> None:
+    batch = StatBatch()
+    batch.start()
+    batch.add(("out", "a"), torch.ones(3))
+    fetched = batch.fetch(Across(frozenset({"out"}), lambda keys: [*keys, ("out", "b")], lambda t, op: t))
+    assert fetched.states[("out", "b")].numel == 0
+    assert fetched.states[("out", "a")].numel == 3
 
 
 def test_closed_batch_takes_nothing() -> None:
     batch = StatBatch()
-    batch.add_moments(("act", "late"), moments(torch.ones(2)))
+    batch.add(("act", "late"), torch.ones(2))
     assert len(batch) == 0
     batch.start()
-    batch.add_moments(("act", "x"), moments(torch.ones(2)))
+    batch.add(("act", "x"), torch.ones(2))
     batch.fetch()
-    batch.add_moments(("act", "late"), moments(torch.ones(2)))
+    batch.add(("act", "late"), torch.ones(2))
     assert len(batch) == 0
-
-
-def test_stats_names() -> None:
-    assert STATS == ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
-
-
-def test_a_tiny_spread_around_a_large_mean_keeps_its_precision() -> None:
-    t = 1000 + 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(5))
-    assert derive(moments(t).row())["std"] == pytest.approx(reference(t)["std"], rel=1e-3)
-
-
-def test_combining_a_row_with_a_nan_abs_max_keeps_the_nan() -> None:
-    rows = [moments(torch.tensor([1.0, float("nan")])).row(), moments(torch.tensor([5.0])).row()]
-    assert math.isnan(combine(rows)[3])
-    assert combine(list(reversed(rows)))[3] != combine(list(reversed(rows)))[3]
-    assert combine([moments(torch.tensor([1.0, -7.0])).row(), moments(torch.tensor([5.0])).row()])[3] == 7.0

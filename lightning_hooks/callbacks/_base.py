@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,32 +13,16 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks import _validate
+from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
 from lightning_hooks._sink import Sink
-from lightning_hooks._stats import Histogram, Key, StatBatch, derive
+from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-
-def check_positive_int(
-    owner: str, arg: str, value: object, *, allow_none: bool = True, none: str = "use the Trainer's `log_every_n_steps`"
-) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        hint = f" or None ({none})" if allow_none else ""
-        raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive integer{hint}.")
-
-
-def check_positive_float(owner: str, arg: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive finite number, e.g. 0.5.")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive finite number.")
-    return float(value)
 
 
 def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
@@ -59,31 +43,21 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
         )
 
 
-def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
-    """``(qualified name, parameter)`` for the parameters owned by ``modules`` that require grad,
-    each shared parameter once, under its first name."""
-    seen: set[int] = set()
-    found: list[tuple[str, nn.Parameter]] = []
-    for name, module in modules:
-        for pname, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                found.append((f"{name}.{pname}" if name else pname, param))
-    return found
-
-
-_SILENT_REPORTED: set[tuple[int, tuple[str, ...]]] = set()
+_SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
+"""Per Trainer, during a fit, the sets of silent modules already named (by any of its callbacks)."""
 
 
 def report_silent_modules(
-    pl_module: nn.Module, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
+    trainer: pl.Trainer, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
 ) -> None:
-    """Warn, once per model and set of names whichever callback finds them, about selected
+    """Warn, once per fit and set of names whichever callback finds them, about selected
     modules whose hooks did not fire during a recorded training step."""
     silent = tuple(name for name, _ in selected if name not in fired)
-    if not silent or (id(pl_module), silent) in _SILENT_REPORTED:
+    reported = _SILENT_REPORTED.setdefault(trainer, set())
+    if not silent or silent in reported:
         return
-    _SILENT_REPORTED.add((id(pl_module), silent))
+    reported.add(silent)
+    pl_module = trainer.lightning_module
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
     compiled = any(is_compile_wrapper(m) for m in pl_module.modules())
     compile_hint = (
@@ -122,7 +96,7 @@ class HookCallback(Callback):
         max_depth: int | None,
     ) -> None:
         owner = type(self).__name__
-        check_positive_int(owner, "log_every_n_steps", log_every_n_steps)
+        _validate.positive_int(owner, "log_every_n_steps", log_every_n_steps)
         self.log_every_n_steps = log_every_n_steps
         self.selector = ModuleSelector(include, exclude, types, max_depth, owner=owner)
         self._state_key = self._generate_state_key(
@@ -136,6 +110,8 @@ class HookCallback(Callback):
         self._step_handles = HookHandles()
         self._modules: list[tuple[str, nn.Module]] = []
         self._sink = Sink(owner)
+        self.gate = StepGate()
+        """Which optimizer step the callback is recording, if any."""
 
     def every(self, trainer: pl.Trainer) -> int:
         """The logging period in optimizer steps."""
@@ -156,6 +132,7 @@ class HookCallback(Callback):
     def _detach(self) -> None:
         """End of a fit, however it ended: hooks go, per-fit state is reset."""
         self._remove_hooks()
+        self.gate.reset()
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process or saved must not drag the model along.
@@ -172,6 +149,7 @@ class HookCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Checkpointed state was restored before this hook: keep it, only start the hooks afresh.
         self._remove_hooks()
+        _SILENT_REPORTED.pop(trainer, None)  # every callback starts the fit before any step is recorded
         self._modules = self.selector.select(pl_module)
         self._attach(trainer, pl_module, self._modules)
 
@@ -188,18 +166,13 @@ class HookCallback(Callback):
         self._detach()
 
 
-def output_label(module: str, path: str) -> str:
-    """``<layer>`` for a module's only output tensor, ``<layer>.out.<path>`` inside a nested output."""
-    return label(module) if not path else f"{label(module)}.out.{path}"
-
-
 class StatsCallback(HookCallback):
     """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
 
-    ``_arm_step`` attaches the observing hooks at the start of each training batch of a logging
-    step (they are removed at its end); ``_emit`` fetches and logs once the optimizer has stepped.
-    The moment rows it logs also feed the TensorBoard custom-scalars layout of the run and, every
-    ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks._dashboard.Dashboard`).
+    ``_arm_step`` attaches the observing recorders at the start of each training batch of a
+    logging step (their hooks go at its end); ``_emit`` fetches and logs once the optimizer has
+    stepped. The states it logs also feed the TensorBoard custom-scalars layout of the run and,
+    every ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks._dashboard.Dashboard`).
     """
 
     bins = 64
@@ -221,31 +194,21 @@ class StatsCallback(HookCallback):
             log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
         owner = type(self).__name__
-        check_positive_int(
+        _validate.positive_int(
             owner, "figure_every_n_steps", figure_every_n_steps, none=f"{FIGURE_PERIOD_FACTOR} × the logging period"
         )
         self.figure_every_n_steps = figure_every_n_steps
         self._dashboard = Dashboard(owner, self._sink, figure_every_n_steps)
-        if stats is not None:
-            if isinstance(stats, str) or not isinstance(stats, Sequence):
-                raise TypeError(
-                    f"`{owner}` got `stats={stats!r}`; `stats` must be a list drawn from {list(allowed_stats)}."
-                )
-            unknown = [s for s in stats if s not in allowed_stats]
-            if unknown or not stats:
-                raise ValueError(
-                    f"`{owner}` got `stats={list(stats)!r}`; `stats` must be a non-empty list drawn from "
-                    f"{list(allowed_stats)}, or None for all of them."
-                )
-        if not isinstance(histograms, bool):
-            raise TypeError(f"`{owner}` got `histograms={histograms!r}`; `histograms` must be True or False.")
-        self.stats = list(stats) if stats is not None else list(allowed_stats)
-        self.histograms = histograms
-        self._batch = StatBatch()
-        self._armed: int | None = None
+        self.stats = _validate.subset(owner, "stats", stats, allowed_stats) or list(allowed_stats)
+        self.histograms = _validate.boolean(owner, "histograms", histograms)
+        self._batch = StatBatch(self.bins)
         self._enabled = True
         self._fired: set[str] = set()
+        """Names of the selected modules whose recorder hooks ran in this fit."""
         self._fired_checked = False
+
+    def _start_step(self) -> None:
+        """A logging step begins (its first micro-batch)."""
 
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
@@ -257,13 +220,13 @@ class StatsCallback(HookCallback):
         """After the first recorded step of a fit, name the selected modules whose hooks never fired."""
         if not self._fired_checked:
             self._fired_checked = True
-            report_silent_modules(trainer.lightning_module, self._modules, self._fired, step)
+            report_silent_modules(trainer, self._modules, self._fired, step)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._batch.clear()
-        self._armed = None
-        self._fired, self._fired_checked = set(), False
+        self._fired.clear()
+        self._fired_checked = False
         self._enabled = bool(trainer.loggers)
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
@@ -275,7 +238,6 @@ class StatsCallback(HookCallback):
     def _detach(self) -> None:
         super()._detach()
         self._batch.clear()
-        self._armed = None
         self._dashboard.reset()
 
     @override
@@ -284,10 +246,11 @@ class StatsCallback(HookCallback):
     ) -> None:
         if not self._enabled:
             return
-        if self._armed is None and self.is_logging_step(trainer):
-            self._armed = trainer.global_step
-            self._batch.start()
-        if self._armed is not None:
+        opening = not self.gate.is_open
+        if self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
+            if opening:
+                self._batch.start()
+                self._start_step()
             self._arm_step(trainer, pl_module)
 
     @override
@@ -296,8 +259,8 @@ class StatsCallback(HookCallback):
     ) -> None:
         self._step_handles.remove()
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-        if self._armed is not None and trainer.global_step != self._armed:
-            step, self._armed = self._armed, None
+        step = self.gate.end(trainer.global_step)
+        if step is not None:
             self._emit(trainer, step)
         self._dashboard.publish(trainer, self.every(trainer))
 
@@ -306,34 +269,35 @@ class StatsCallback(HookCallback):
         if self._enabled:
             self._dashboard.finish(trainer)
 
-    def _pool_across_ranks(self, trainer: pl.Trainer, groups: set[str]) -> None:
-        """Make the moment rows of ``groups`` global: every rank saw its own shard of the batch.
+    def _across(self, trainer: pl.Trainer, groups: set[str]) -> Across | None:
+        """How to make the states of ``groups`` global when every rank saw its own shard of the batch.
 
         One object all-gather to agree on the keys (data-dependent paths can differ between ranks),
-        then one sum and one max all-reduce, on logging steps only. Every rank must call this.
+        then one sum and one max all-reduce, on logging steps only. Every rank must fetch with it.
         """
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return
-        mine = sorted(key for key in self._batch.moments if key[0] in groups)
-        gathered: list[list[Key] | None] = [None] * trainer.world_size
-        torch.distributed.all_gather_object(gathered, mine)
-        keys: list[Key] = sorted({(group, name) for keys in gathered for group, name in keys or []})
+            return None
         strategy = trainer.strategy
+
+        def agree(mine: list[Key]) -> list[Key]:
+            gathered: list[list[Key] | None] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, mine)
+            return sorted({(group, name) for keys in gathered for group, name in keys or []})
 
         def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
             reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
             return strategy.reduce(tensor, reduce_op=reduce_op)
 
-        self._batch.reduce(reduce, keys)
+        return Across(frozenset(groups), agree, reduce)
 
-    def _log_rows(self, trainer: pl.Trainer, prefix: str, rows: dict[str, list[float]], step: int) -> None:
+    def _log_states(self, trainer: pl.Trainer, prefix: str, states: dict[str, State], step: int) -> None:
         metrics = {
             f"{prefix}{stat}/{key}": value
-            for key, row in rows.items()
-            for stat, value in derive(row, self.stats).items()
+            for key, state in states.items()
+            for stat, value in derive(state, self.stats).items()
         }
         self._sink.scalars(trainer, metrics, step)
-        self._dashboard.add_rows(prefix, rows, step)
+        self._dashboard.add_rows(prefix, states, step)
 
     def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[str, Histogram], step: int) -> None:
         for key, hist in hists.items():

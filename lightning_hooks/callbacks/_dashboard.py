@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_hooks import _figures
 from lightning_hooks._sink import Sink
+from lightning_hooks._stats import State
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import numpy as np
     from numpy.typing import NDArray
 
-Rows = Mapping[str, Sequence[float]]
+Rows = Mapping[str, State]
 
 
 def _gradient_flow(rows: Rows, step: int) -> NDArray[np.uint8] | None:

@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from torch import nn
 from typing_extensions import override
 
-from lightning_hooks._nested import named_tensors
-from lightning_hooks._shapes import in_backward
-from lightning_hooks._stats import StatBatch, histogram, moments
-from lightning_hooks.callbacks._base import StatsCallback, output_label
+from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks.callbacks._base import StatsCallback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 ActivationStat = Literal["mean", "std", "abs_max", "zero_frac", "nonfinite"]
 ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_frac", "nonfinite")
-
-
-class _ActivationHook:
-    def __init__(self, batch: StatBatch, name: str, histograms: bool, bins: int, fired: set[str]) -> None:
-        self.batch, self.name, self.histograms, self.bins, self.fired = batch, name, histograms, bins, fired
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward():  # activation checkpointing re-running forward
-            return
-        self.fired.add(self.name)
-        for path, tensor in named_tensors(output):
-            if not tensor.is_floating_point():
-                continue
-            key = ("act", output_label(self.name, path))
-            self.batch.add_moments(key, moments(tensor))
-            if self.histograms:
-                self.batch.add_histogram(key, histogram(tensor, self.bins))
 
 
 class ActivationStats(StatsCallback):
@@ -102,17 +82,15 @@ class ActivationStats(StatsCallback):
             max_depth=max_depth,
             figure_every_n_steps=figure_every_n_steps,
         )
+        self._recorder = ActivationRecorder(self._batch, self.histograms, self._fired)
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for name, module in self._modules:
-            hook = _ActivationHook(self._batch, name, self.histograms, self.bins, self._fired)
-            self._step_handles.add(module.register_forward_hook(hook))
+        self._recorder.attach(self._modules, self._step_handles)
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         self._check_fired(trainer, step)
-        self._pool_across_ranks(trainer, {"act"})
-        rows, hists, _ = self._batch.fetch()
-        self._log_rows(trainer, "act_", {name: row for (_, name), row in rows.items()}, step)
-        self._log_histograms(trainer, "act/", {name: h for (_, name), h in hists.items()}, step)
+        fetched = self._batch.fetch(self._across(trainer, {"act"}))
+        self._log_states(trainer, "act_", {name: state for (_, name), state in fetched.states.items()}, step)
+        self._log_histograms(trainer, "act/", {name: h for (_, name), h in fetched.histograms.items()}, step)

@@ -5,64 +5,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import (
-    HookCallback,
-    check_positive_float,
-    loss_scaler,
-    refuse_sharded,
-    trainable_parameters,
-)
+from lightning_hooks import _validate
+from lightning_hooks._clamp import GradClamper
+from lightning_hooks._select import trainable_parameters
+from lightning_hooks.callbacks._base import HookCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
 
 TAG = "grad_clamp/clamped_fraction"
-
-
-class _ClampCount:
-    """On logging steps, how many gradient elements were clamped (counted on device)."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.clamped: list[torch.Tensor] = []
-        self.seen = 0
-
-    def reset(self) -> None:
-        self.active, self.clamped, self.seen = False, [], 0
-
-
-def clamp_true_gradient(
-    grad: torch.Tensor, value: float, scaler: torch.amp.GradScaler | None, count: _ClampCount | None = None
-) -> torch.Tensor:
-    """``grad`` clamped to ``[-value, value]`` in true (unscaled) units.
-
-    Under an enabled ``GradScaler`` the gradient carries the loss scale, so the bound is
-    ``value * scale`` with the scale tensor on device (no host sync), and non-finite values are
-    left as they are so that the scaler still sees the overflow and skips the step.
-    """
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
-    if scale is None:
-        if count is not None and count.active:
-            count.clamped.append((grad.abs() > value).sum())
-            count.seen += grad.numel()
-        return grad.clamp(-value, value)
-    bound = (scale * value).to(grad.dtype)
-    if count is not None and count.active:
-        count.clamped.append((grad.abs() > bound).logical_and(torch.isfinite(grad)).sum())
-        count.seen += grad.numel()
-    return torch.where(torch.isfinite(grad), torch.clamp(grad, -bound, bound), grad)
-
-
-class _ClampHook:
-    def __init__(self, value: float, count: _ClampCount, scaler: torch.amp.GradScaler | None) -> None:
-        self.value, self.count, self.scaler = value, count, scaler
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return clamp_true_gradient(grad, self.value, self.scaler, self.count)
-
 
 ClampMode = Literal["backward", "accumulated"]
 
@@ -129,17 +83,13 @@ class GradClamp(HookCallback):
         max_depth: int | None = None,
     ) -> None:
         owner = type(self).__name__
-        self.value = check_positive_float(owner, "value", value)
-        if mode not in ("backward", "accumulated"):
-            raise ValueError(f"`{owner}` got `mode={mode!r}`; `mode` must be 'backward' or 'accumulated'.")
-        self.mode = mode
+        self.value = _validate.positive_float(owner, "value", value)
+        self.mode: ClampMode = _validate.choice(owner, "mode", mode, ("backward", "accumulated"))
         super().__init__(
             log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
-        self._count = _ClampCount()
-        self._step: int | None = None
+        self._clamper = GradClamper(self.value)
         self._params: list[nn.Parameter] = []
-        self._scaler: torch.amp.GradScaler | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -148,52 +98,37 @@ class GradClamp(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
-        self._count = _ClampCount()
-        self._step = None
-        self._scaler = loss_scaler(trainer)
+        self._clamper = GradClamper(self.value, loss_scaler(trainer))
         self._params = [param for _, param in trainable_parameters(modules)]
         if self.mode == "backward":
-            for param in self._params:
-                self._handles.add(param.register_hook(_ClampHook(self.value, self._count, self._scaler)))
+            self._clamper.attach(self._params, self._handles)
 
     @override
     def _detach(self) -> None:
         super()._detach()
-        self._count.reset()
-        self._step = None
+        self._clamper.count.reset()
         self._params = []
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._step is None and self.is_logging_step(trainer):
-            self._step = trainer.global_step
-            self._count.active = True
+        self._clamper.count.active = self.gate.begin(trainer.global_step, self.is_logging_step(trainer))
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self.mode != "accumulated":
-            return
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        with torch.no_grad():
-            for param in self._params:
-                if param.grad is not None and id(param) in in_optimizer:
-                    # Gradients are unscaled by now: the bound is `value` itself.
-                    param.grad.copy_(clamp_true_gradient(param.grad, self.value, None, self._count))
+        if self.mode == "accumulated":
+            self._clamper.clamp_accumulated(self._params, optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-        if self._step is None or trainer.global_step == self._step:
-            return
-        count, step = self._count, self._step
-        if count.seen:
-            clamped = torch.stack(count.clamped).sum().item()  # the one host transfer of the step
-            self._sink.scalars(trainer, {TAG: clamped / count.seen}, step)
-        count.reset()
-        self._step = None
+        step = self.gate.end(trainer.global_step)
+        if step is not None:
+            fraction = self._clamper.count.fraction()  # the one host transfer of the step
+            if fraction is not None:
+                self._sink.scalars(trainer, {TAG: fraction}, step)

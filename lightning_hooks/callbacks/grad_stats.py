@@ -2,69 +2,24 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 from typing_extensions import override
 
+from lightning_hooks import _validate
+from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder
 from lightning_hooks._handles import HookHandles
-from lightning_hooks._nested import named_tensors
-from lightning_hooks._shapes import in_backward
-from lightning_hooks._stats import STATS, Key, StatBatch, derive, histogram, moments
-from lightning_hooks.callbacks._base import (
-    StatsCallback,
-    loss_scaler,
-    output_label,
-    refuse_sharded,
-    trainable_parameters,
-)
+from lightning_hooks._select import trainable_parameters
+from lightning_hooks._stats import STATS, derive, norm_total
+from lightning_hooks.callbacks._base import StatsCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
 
 GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
 OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
-
-
-class _OutputGradHook:
-    """Forward hook: registers a tensor hook on each output that will receive a gradient."""
-
-    def __init__(self, batch: StatBatch, name: str, scaler: torch.amp.GradScaler | None, fired: set[str]) -> None:
-        self.batch, self.name, self.scaler, self.fired = batch, name, scaler, fired
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward():
-            return
-        self.fired.add(self.name)
-        if not torch.is_grad_enabled():
-            return
-        for path, tensor in named_tensors(output):
-            if tensor.requires_grad and tensor.is_floating_point():
-                tensor.register_hook(_GradReader(self.batch, ("out", output_label(self.name, path)), self.scaler))
-
-
-class _GradReader:
-    def __init__(self, batch: StatBatch, key: Key, scaler: torch.amp.GradScaler | None) -> None:
-        self.batch, self.key, self.scaler = batch, key, scaler
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        scale = getattr(self.scaler, "_scale", None)  # a tensor on device: dividing by it needs no sync
-        self.batch.add_moments(self.key, moments(grad if scale is None else grad.float() / scale))
-
-
-class _UpdateRatio:
-    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each watched parameter."""
-
-    def __init__(self, batch: StatBatch, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
-        self.batch, self.before = batch, before
-
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
-        for name, (param, old) in before.items():
-            ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
-            self.batch.add_scalar(("ratio", name), ratio)
 
 
 class GradStats(StatsCallback):
@@ -151,27 +106,25 @@ class GradStats(StatsCallback):
             ("output_grads", output_grads),
             ("update_ratio", update_ratio),
         ):
-            if not isinstance(value, bool):
-                raise TypeError(f"`GradStats` got `{arg}={value!r}`; `{arg}` must be True or False.")
+            _validate.boolean("GradStats", arg, value)
         if not (param_grads or output_grads):
             raise ValueError("`GradStats` got `param_grads=False` and `output_grads=False`; enable at least one.")
         self.param_grads, self.output_grads, self.update_ratio = param_grads, output_grads, update_ratio
         self._params: list[tuple[str, nn.Parameter]] = []
-        self._scaler: torch.amp.GradScaler | None = None
         self._ratio_handles = HookHandles()
-        self._read: set[int] = set()
-
-    @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
-        super()._attach(trainer, pl_module, modules)
-        self._params = trainable_parameters(modules)
-        self._scaler = loss_scaler(trainer)
-        self._read = set()
+        self._outputs = OutputGradRecorder(self._batch, fired=self._fired)
+        self._grads = ParamGradRecorder(self._batch, self.histograms, update_ratio)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.param_grads:
             refuse_sharded(trainer.strategy, "`GradStats(param_grads=True)`", "set `param_grads=False`")
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        super()._attach(trainer, pl_module, modules)
+        self._params = trainable_parameters(modules)
+        self._outputs.scaler = loss_scaler(trainer)
 
     @override
     def _detach(self) -> None:
@@ -180,22 +133,13 @@ class GradStats(StatsCallback):
         self._params = []
 
     @override
-    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.output_grads:
-            return
-        for name, module in self._modules:
-            self._step_handles.add(
-                module.register_forward_hook(_OutputGradHook(self._batch, name, self._scaler, self._fired))
-            )
+    def _start_step(self) -> None:
+        self._grads.start()
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        was_armed = self._armed is not None
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._armed is not None and not was_armed:
-            self._read = set()
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.output_grads:
+            self._outputs.attach(self._modules, self._step_handles)
 
     @override
     def on_before_optimizer_step(
@@ -203,21 +147,8 @@ class GradStats(StatsCallback):
     ) -> None:
         # Called once per optimizer step (after unscaling, accumulation and the DDP all-reduce); with
         # several optimizers (manual optimization), each reads the parameters it is about to update.
-        if not (self.param_grads and self._enabled) or self._armed is None:
-            return
-        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
-        for name, param in self._params:
-            if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
-                continue
-            self._read.add(id(param))
-            self._batch.add_moments(("param", name), moments(param.grad))
-            if self.histograms:
-                self._batch.add_histogram(("param", name), histogram(param.grad, self.bins))
-            if self.update_ratio:
-                before[name] = (param, param.detach().clone())
-        if before:
-            self._ratio_handles.add(optimizer.register_step_post_hook(_UpdateRatio(self._batch, before)))
+        if self.param_grads and self._enabled and self.gate.is_open:
+            self._grads.record(self._params, optimizer, self._ratio_handles)
 
     @override
     def on_train_batch_end(
@@ -232,17 +163,16 @@ class GradStats(StatsCallback):
         if self.output_grads:
             self._check_fired(trainer, step)
         # Parameter gradients are already all-reduced; layer output gradients are per rank.
-        self._pool_across_ranks(trainer, {"out"})
-        rows, hists, extra = self._batch.fetch()
-        params = {name: row for (group, name), row in rows.items() if group == "param"}
-        outputs = {name: row for (group, name), row in rows.items() if group == "out"}
-        self._log_rows(trainer, "grad_", params, step)
+        fetched = self._batch.fetch(self._across(trainer, {"out"}))
+        params = {name: state for (group, name), state in fetched.states.items() if group == "param"}
+        outputs = {name: state for (group, name), state in fetched.states.items() if group == "out"}
+        self._log_states(trainer, "grad_", params, step)
         metrics: dict[str, float] = {}
         if params:
-            metrics["grad_norm_total"] = math.sqrt(sum(max(row[2], 0.0) for row in params.values()))
-        metrics.update({f"update_ratio/{key[1]}": value for key, value in extra.items()})
+            metrics["grad_norm_total"] = norm_total(params.values())
+        metrics.update({f"update_ratio/{name}": value for (_, name), value in fetched.scalars.items()})
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
-        for key, row in outputs.items():
-            metrics.update({f"out_grad_{stat}/{key}": value for stat, value in derive(row, out_stats).items()})
+        for name, state in outputs.items():
+            metrics.update({f"out_grad_{stat}/{name}": value for stat, value in derive(state, out_stats).items()})
         self._sink.scalars(trainer, metrics, step)
-        self._log_histograms(trainer, "grad/", {key[1]: h for key, h in hists.items()}, step)
+        self._log_histograms(trainer, "grad/", {name: h for (_, name), h in fetched.histograms.items()}, step)

@@ -10,14 +10,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks._finite import (
-    Finding,
-    NonFiniteRecorder,
-    grad_readings,
-    parameter_readings,
-    with_parameters,
-)
-from lightning_hooks.callbacks._base import HookCallback, check_positive_int, loss_scaler
+from lightning_hooks import _validate
+from lightning_hooks._finding import Finding, with_parameters
+from lightning_hooks._finite import NonFiniteRecorder, grad_readings, parameter_readings
+from lightning_hooks.callbacks._base import HookCallback, loss_scaler
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -129,22 +125,15 @@ class NonFiniteGuard(HookCallback):
         max_depth: int | None = None,
     ) -> None:
         owner = type(self).__name__
-        check_positive_int(owner, "check_every_n_steps", check_every_n_steps, allow_none=False)
-        if not isinstance(action, str) or action not in ACTIONS:
-            raise ValueError(
-                f"`{owner}` got `action={action!r}`; `action` must be one of {', '.join(repr(a) for a in ACTIONS)}."
-            )
-        if not isinstance(check_backward, bool):
-            raise TypeError(
-                f"`{owner}` got `check_backward={check_backward!r}`; `check_backward` must be True or False."
-            )
+        _validate.positive_int(owner, "check_every_n_steps", check_every_n_steps, allow_none=False)
+        _validate.choice(owner, "action", action, ACTIONS)
+        _validate.boolean(owner, "check_backward", check_backward)
         super().__init__(
             log_every_n_steps=check_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
         self.check_every_n_steps, self.action, self.check_backward = check_every_n_steps, action, check_backward
         self.skipped_steps = 0
         self._recorder = NonFiniteRecorder(check_backward)
-        self._armed: int | None = None
         self._skipping = False
         self._warned: set[str] = set()
         self._scaler: torch.amp.GradScaler | None = None
@@ -164,7 +153,8 @@ class NonFiniteGuard(HookCallback):
         self._param_names = {}
 
     def _disarm(self) -> None:
-        self._armed, self._skipping = None, False
+        self.gate.reset()
+        self._skipping = False
         self._recorder.active = False
         self._recorder.clear()
 
@@ -172,10 +162,10 @@ class NonFiniteGuard(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._armed is None and self.is_logging_step(trainer):
-            self._armed = trainer.global_step
-            self._recorder.clear()
-        if self._armed is not None:
+        opening = not self.gate.is_open
+        if self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
+            if opening:
+                self._recorder.clear()
             self._recorder.batch_idx = batch_idx
             self._recorder.active = True
             if not len(self._step_handles):  # still on when the previous step was checked too
@@ -183,36 +173,36 @@ class NonFiniteGuard(HookCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._armed is not None:
+        if self.gate.is_open:
             self._recorder.record_loss(loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._armed is None:
+        if self.gate.step is None:
             return
         if self._skipping:  # a further optimizer of a step already found bad
             _drop_gradients(optimizer)
             return
-        self._check(trainer, optimizer)
+        self._check(trainer, optimizer, self.gate.step)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._recorder.active = False  # what runs until the next batch (validation) is not recorded
-        if self._armed is not None and not (
-            pl_module.automatic_optimization and trainer.global_step == self._armed
-        ):  # the checked step is over, unless more micro-batches of it are to come
+        # The checked step is over once the optimizer stepped (after every batch in manual optimization).
+        step = self.gate.end(trainer.global_step, force=not pl_module.automatic_optimization)
+        if step is not None:
             if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
-                self._check(trainer, None)
+                self._check(trainer, None, step)
             self._disarm()
-        if self._armed is None and not self.is_logging_step(trainer):
+        if not self.gate.is_open and not self.is_logging_step(trainer):
             # Re-registering the hooks for the very next step would cost more than keeping them.
             self._step_handles.remove()
 
-    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None) -> None:
+    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None, step: int) -> None:
         """Read the step (one transfer), decide, and act on what was found."""
         grads = self._gradients(optimizer) if self.check_backward and optimizer is not None else []
         finding, norms = self._recorder.find(grad_readings(grads))
@@ -227,7 +217,7 @@ class NonFiniteGuard(HookCallback):
         if trainer.world_size > 1 and self.action != "warn":
             found = trainer.strategy.reduce_boolean_decision(found, all=False)
         if found:
-            self._act(trainer, finding, optimizer, scaler_skips)
+            self._act(trainer, finding, optimizer, scaler_skips, step)
 
     def _gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
@@ -242,8 +232,8 @@ class NonFiniteGuard(HookCallback):
         finding: Finding | None,
         optimizer: torch.optim.Optimizer | None,
         scaler_skips: bool,
+        step: int,
     ) -> None:
-        step = self._armed if self._armed is not None else trainer.global_step
         if finding is None:
             lines = [f"another rank found NaN/Inf values at step {step}"]
         else:

@@ -118,7 +118,7 @@ class ShapeLogger(HookCallback):
             return
         recorder.active = False
         if not self._logged:  # the first table of this fit
-            report_silent_modules(pl_module, self._modules, {row.name for row in recorder.rows}, self._step)
+            report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, self._step)
         table = recorder.table()
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:

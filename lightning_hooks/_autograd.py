@@ -1,0 +1,27 @@
+"""Small facts about autograd and loss scaling that hooks need (pure torch)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread.
+
+    Activation checkpointing re-runs ``forward`` (and so forward hooks) during backward;
+    ``torch.is_grad_enabled()`` cannot tell that recompute apart, the graph task id can.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    """The current scale of an enabled ``GradScaler`` as the tensor on device (``None`` without one).
+
+    Gradients produced in backward carry this factor until the scaler unscales them; dividing or
+    bounding by the tensor needs no host synchronisation. ``None`` too before the scaler's first
+    ``scale()`` call, when no gradient can carry a scale yet.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale: torch.Tensor | None = getattr(scaler, "_scale", None)
+    return scale

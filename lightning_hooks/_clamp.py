@@ -1,0 +1,92 @@
+"""Clamping gradients to ``[-value, value]`` in true (unscaled) units (pure torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_hooks._autograd import loss_scale
+from lightning_hooks._handles import HookHandles
+
+
+class ClampCount:
+    """How many gradient elements were clamped while ``active``, counted on device."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.clamped: list[torch.Tensor] = []
+        self.seen = 0
+
+    def reset(self) -> None:
+        self.active, self.clamped, self.seen = False, [], 0
+
+    def fraction(self) -> float | None:
+        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count."""
+        clamped, seen = self.clamped, self.seen
+        self.reset()
+        return torch.stack(clamped).sum().item() / seen if seen else None
+
+
+def clamp_true_gradient(
+    grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount | None = None
+) -> torch.Tensor:
+    """``grad`` clamped to ``[-value, value]`` in true units, ``grad`` carrying the loss ``scale`` (or none).
+
+    With a scale the bound is ``value * scale``, computed on device (no host sync), and non-finite
+    values are left as they are so that the ``GradScaler`` still sees the overflow and skips the step.
+    """
+    if scale is None:
+        if count is not None and count.active:
+            count.clamped.append((grad.abs() > value).sum())
+            count.seen += grad.numel()
+        return grad.clamp(-value, value)
+    bound = (scale * value).to(grad.dtype)
+    if count is not None and count.active:
+        count.clamped.append((grad.abs() > bound).logical_and(torch.isfinite(grad)).sum())
+        count.seen += grad.numel()
+    return torch.where(torch.isfinite(grad), torch.clamp(grad, -bound, bound), grad)
+
+
+class GradClamper:
+    """Clamp parameter gradients, in backward (:meth:`attach`) or once accumulated (:meth:`clamp_accumulated`).
+
+    In backward a tensor hook on each parameter replaces the gradient autograd is about to
+    accumulate into ``.grad`` with its clamped copy, bounded by ``value`` times the current scale
+    of ``scaler`` when one is scaling the loss. ``count`` counts clamped elements while active.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 1)
+        >>> with HookHandles() as handles:
+        ...     GradClamper(0.1).attach([layer.weight], handles)
+        ...     (100 * layer(torch.ones(1, 2))).sum().backward()
+        >>> layer.weight.grad
+        tensor([[0.1000, 0.1000]])
+    """
+
+    def __init__(self, value: float, scaler: torch.amp.GradScaler | None = None) -> None:
+        self.value, self.scaler = value, scaler
+        self.count = ClampCount()
+
+    def attach(self, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
+        for param in params:
+            handles.add(param.register_hook(_ClampHook(self)))
+
+    def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now)."""
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        with torch.no_grad():
+            for param in params:
+                if param.grad is not None and id(param) in in_optimizer:
+                    param.grad.copy_(clamp_true_gradient(param.grad, self.value, None, self.count))
+
+
+class _ClampHook:
+    def __init__(self, clamper: GradClamper) -> None:
+        self.clamper = clamper
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        clamper = self.clamper
+        return clamp_true_gradient(grad, clamper.value, loss_scale(clamper.scaler), clamper.count)

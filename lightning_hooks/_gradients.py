@@ -1,0 +1,133 @@
+"""Recording gradient statistics: layer output gradients, parameter gradients, update ratios (pure torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks._autograd import in_backward, loss_scale
+from lightning_hooks._handles import HookHandles
+from lightning_hooks._nested import named_tensors
+from lightning_hooks._select import output_label
+from lightning_hooks._stats import StatBatch
+
+
+class OutputGradRecorder:
+    """Observe the gradient with respect to each output of the hooked modules, under ``("out", <layer>)``.
+
+    A forward hook puts a tensor hook on every output that will receive a gradient; unlike
+    ``register_full_backward_hook`` this works when the output is modified in place afterwards
+    (``ReLU(inplace=True)`` after a convolution). Under an enabled ``GradScaler`` the gradient is
+    divided by the current scale on device, so the figures are those of the true gradient.
+    ``fired`` (a set of the caller's, or a new one) collects the names of the modules whose forward hook ran.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> with HookHandles() as handles:
+        ...     OutputGradRecorder(batch).attach([("0", model[0])], handles)
+        ...     model(torch.ones(2, 4)).sum().backward()
+        >>> sorted(batch.fetch().states)
+        [('out', '0')]
+    """
+
+    def __init__(
+        self, batch: StatBatch, scaler: torch.amp.GradScaler | None = None, fired: set[str] | None = None
+    ) -> None:
+        self.batch, self.scaler = batch, scaler
+        self.fired = set() if fired is None else fired
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        for name, module in modules:
+            handles.add(module.register_forward_hook(_OutputGradHook(self, name)))
+
+
+class _OutputGradHook:
+    def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if in_backward():  # activation checkpointing re-running forward
+            return
+        self.recorder.fired.add(self.name)
+        if not torch.is_grad_enabled():
+            return
+        for path, tensor in named_tensors(output):
+            if tensor.requires_grad and tensor.is_floating_point():
+                tensor.register_hook(_GradReader(self.recorder, output_label(self.name, path)))
+
+
+class _GradReader:
+    def __init__(self, recorder: OutputGradRecorder, key: str) -> None:
+        self.recorder, self.key = recorder, key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        scale = loss_scale(self.recorder.scaler)
+        self.recorder.batch.add(("out", self.key), grad if scale is None else grad.float() / scale)
+
+
+class ParamGradRecorder:
+    """Observe parameter gradients under ``("param", <name>)`` and update ratios under ``("ratio", <name>)``.
+
+    :meth:`record` is called where the optimizer is about to step, with gradients final (after
+    accumulation, unscaling and any all-reduce). Each parameter is read once per recorded step
+    (:meth:`start` begins one), and only if ``optimizer`` holds it: with several optimizers each
+    reads its own. With ``update_ratio``, a copy of each read parameter is kept until the
+    optimizer's step post-hook turns it into ``||w_after - w_before|| / ||w_before||``.
+
+    Example::
+
+        >>> layer = nn.Linear(3, 2)
+        >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        >>> layer(torch.ones(1, 3)).sum().backward()
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> with HookHandles() as handles:
+        ...     ParamGradRecorder(batch, update_ratio=True).record(list(layer.named_parameters()), optimizer, handles)
+        ...     optimizer.step()
+        >>> fetched = batch.fetch()
+        >>> sorted(fetched.states), sorted(fetched.scalars)
+        ([('param', 'bias'), ('param', 'weight')], [('ratio', 'bias'), ('ratio', 'weight')])
+    """
+
+    def __init__(self, batch: StatBatch, histograms: bool = False, update_ratio: bool = False) -> None:
+        self.batch, self.histograms, self.update_ratio = batch, histograms, update_ratio
+        self._read: set[int] = set()
+
+    def start(self) -> None:
+        """A new recorded step: every parameter may be read again."""
+        self._read = set()
+
+    def record(
+        self, params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, handles: HookHandles
+    ) -> None:
+        """Read the gradients of ``params`` that ``optimizer`` will use; its update-ratio hook goes into ``handles``."""
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        for name, param in params:
+            if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
+                continue
+            self._read.add(id(param))
+            self.batch.add(("param", name), param.grad, self.histograms)
+            if self.update_ratio:
+                before[name] = (param, param.detach().clone())
+        if before:
+            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
+
+
+class _UpdateRatio:
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given."""
+
+    def __init__(self, batch: StatBatch, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
+        self.batch, self.before = batch, before
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
+        for name, (param, old) in before.items():
+            ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
+            self.batch.add_scalar(("ratio", name), ratio)
