@@ -1,19 +1,36 @@
-"""Lightning callbacks that show what happens inside a training run, built on PyTorch's hooks."""
+"""Lightning callbacks that show what happens inside a training run, built on PyTorch's hooks.
 
+The pure-torch helpers (:func:`trace_shapes`, :func:`format_table`, :func:`find_nonfinite`) import
+torch only; the callbacks load Lightning on first use, so ``import lightning_hooks`` works where
+Lightning is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_hooks._finding import Finding
+from lightning_hooks._finite import find_nonfinite
 from lightning_hooks._shapes import ShapeRow, format_table, trace_shapes
-from lightning_hooks.callbacks import (
-    ActivationStats,
-    GradClamp,
-    GradStats,
-    NonFiniteError,
-    NonFiniteGuard,
-    ShapeLogger,
-)
+
+if TYPE_CHECKING:
+    from lightning_hooks.callbacks import (
+        ActivationStats,
+        GradClamp,
+        GradStats,
+        NonFiniteError,
+        NonFiniteGuard,
+        ShapeLogger,
+    )
 
 __version__ = "0.1.0"
 
+_CALLBACKS = ("ActivationStats", "GradClamp", "GradStats", "NonFiniteError", "NonFiniteGuard", "ShapeLogger")
+
 __all__ = [
     "ActivationStats",
+    "Finding",
     "GradClamp",
     "GradStats",
     "NonFiniteError",
@@ -21,6 +38,30 @@ __all__ = [
     "ShapeLogger",
     "ShapeRow",
     "__version__",
+    "find_nonfinite",
     "format_table",
     "trace_shapes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the callbacks, and Lightning with them, on first use."""
+    if name not in _CALLBACKS:
+        raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
+    try:
+        callbacks = importlib.import_module("lightning_hooks.callbacks")
+    except ImportError as error:
+        if error.name is None or error.name.split(".")[0] not in ("lightning", "lightning_fabric"):
+            raise
+        raise ImportError(
+            f"`lightning_hooks.{name}` is a Lightning callback and needs Lightning, which could not be imported "
+            f"({error}); install it with `pip install lightning`. The pure-torch helpers (`trace_shapes`, "
+            f"`format_table`, `find_nonfinite`) work without it."
+        ) from error
+    value = getattr(callbacks, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
