@@ -70,7 +70,6 @@ class ShapeLogger(HookCallback):
         self._logged: set[str] = set()
         self._last_batch: tuple[torch.Size, ...] | None = None
         self._batch: Signature = ()
-        self._step = 0
         self._params: dict[str, int] = {}
 
     @override
@@ -101,12 +100,12 @@ class ShapeLogger(HookCallback):
         batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        if self._modules and (not self._logged or changed or self.is_logging_step(trainer)):
+        due = bool(self._modules) and (not self._logged or changed or self.is_logging_step(trainer))
+        if self.gate.begin(trainer.global_step, due):
             self._batch = signature(batch)
             self._recorder.clear()
             self._recorder.active = True
             self._recorder.attach(self._modules, self._step_handles, self._params)
-            self._step = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -114,16 +113,17 @@ class ShapeLogger(HookCallback):
     ) -> None:
         recorder = self._recorder
         self._step_handles.remove()
-        if not recorder.active:
+        step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
+        if step is None:
             return
         recorder.active = False
         if not self._logged:  # the first table of this fit
-            report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, self._step)
+            report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, step)
         table = recorder.table()
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:
             self._logged.add(digest)
-            header = f"{type(pl_module).__name__} · step {self._step} · batch {format_signature(self._batch)}"
+            header = f"{type(pl_module).__name__} · step {step} · batch {format_signature(self._batch)}"
             echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
-            self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", self._step)
+            self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", step)
         recorder.clear()
