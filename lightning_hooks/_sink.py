@@ -1,36 +1,22 @@
-"""Where numbers go: the Trainer's loggers, from rank zero only."""
+"""Where numbers go: the Trainer's loggers, each in its native form, from rank zero only."""
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, TypeGuard
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from lightning.fabric.utilities.logger import _add_prefix
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from tensorboard.compat.proto.summary_pb2 import Summary
-from torch.utils.tensorboard.summary import custom_scalars
-from torch.utils.tensorboard.summary import text as text_summary
 
-from lightning_hooks._layout import build_layout
+from lightning_hooks._loggers import FIGURES, Backend, StepData, backend, names_showing
 from lightning_hooks._stats import Histogram
+from lightning_hooks._tables import Cell, Table
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import numpy as np
+    from lightning.pytorch.loggers import Logger
     from numpy.typing import NDArray
-
-_RUN_TAGS: weakref.WeakKeyDictionary[TensorBoardLogger, dict[str, None]] = weakref.WeakKeyDictionary()
-"""Per TensorBoard run, every scalar tag a sink has put in its custom-scalars layout, in logging order."""
-
-
-def _writes_events(logger: object) -> TypeGuard[TensorBoardLogger]:
-    """A TensorBoardLogger with Lightning's own ``log_metrics`` and torch's ``SummaryWriter``."""
-    return (
-        isinstance(logger, TensorBoardLogger)
-        and type(logger).log_metrics is TensorBoardLogger.log_metrics
-        and hasattr(logger.experiment, "_get_file_writer")
-    )
 
 
 @rank_zero_only
@@ -40,15 +26,19 @@ def echo(text: str) -> None:
 
 
 class Sink:
-    """Writes scalars, text and histograms to whatever loggers a Trainer has.
+    """Sends a callback's scalars, histograms, figures, text and tables to whatever loggers a Trainer has.
 
-    Scalars go to every logger through ``log_metrics``, except that a plain ``TensorBoardLogger``
-    gets all of a step's scalars as one event (its ``log_metrics`` writes one event per scalar,
-    about 20 µs each: a statistics callback logs a hundred or more per logging step). Text and
-    histograms go to TensorBoard loggers and are skipped, with one warning per kind, for others.
-    Every write happens on
-    global rank zero only (Lightning's loggers are rank-zero-only already; the TensorBoard
-    writer is reached through ``experiment``, which is too).
+    Each logger gets what it can show, in its own form (see :mod:`lightning_hooks._loggers` and
+    the README's Loggers section): TensorBoard everything, W&B and MLflow everything but the
+    layout, CSV scalars and markdown files, a logger this library does not know scalars through
+    ``log_metrics`` and one warning naming what it does not get. When none of the Trainer's
+    loggers shows a kind that is sent (histograms with a CSV logger only), one warning per kind.
+
+    A call sends at once; :meth:`log_step` sends a whole logging step, and inside
+    :meth:`gathered` every call is held and each step sent as one :meth:`log_step` at the end, so
+    that each logger gets one write per step (W&B one ``log`` call). Only host numbers are
+    passed in: more loggers never mean more device syncs. Every write happens on global rank
+    zero only.
     """
 
     def __init__(self, owner: str) -> None:
@@ -56,81 +46,125 @@ class Sink:
         self._warned: set[str] = set()
         self.tags: dict[str, None] = {}
         """Every scalar tag this sink has logged, in order (rank zero only)."""
+        self._held: dict[int, StepData] | None = None
+        self._held_layout: int | None = None
 
-    def _tensorboards(self, trainer: pl.Trainer, kind: str, warn: bool = True) -> list[TensorBoardLogger]:
-        boards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        if warn and not boards and trainer.loggers and kind not in self._warned:
-            self._warned.add(kind)
-            rank_zero_warn(
-                f"`{self.owner}` logs {kind} to TensorBoard only and the Trainer has no `TensorBoardLogger`; "
-                f"{kind} are skipped (scalars still go to every logger)."
-            )
-        return boards
+    def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
+        return [(logger, backend(logger)) for logger in trainer.loggers]
+
+    def _warn_unshown(self, backends: list[tuple[Logger, Backend]], kinds: Sequence[str]) -> None:
+        """Warn once per unknown logger, and once per kind that no logger of the Trainer shows."""
+        if not kinds:
+            return
+        for logger, found in backends:
+            if not found.name and not found.warned:
+                found.warned = True
+                rank_zero_warn(
+                    f"`{self.owner}` logs {', '.join(kinds)} and `{type(logger).__name__}` is not a logger "
+                    "lightning_hooks knows: it gets scalars only, through its `log_metrics`, and no histograms, "
+                    "figures, text or tables. TensorBoardLogger, WandbLogger, MLFlowLogger and CSVLogger get what "
+                    "they can show (README: Loggers)."
+                )
+        if all(not found.name for _, found in backends):
+            return
+        for kind in kinds:
+            if kind not in self._warned and not any(kind in found.shows for _, found in backends):
+                self._warned.add(kind)
+                have = ", ".join(f"`{type(logger).__name__}`" for logger, _ in backends)
+                rank_zero_warn(
+                    f"`{self.owner}` logs {kind} to {names_showing(kind)}, and the Trainer's loggers ({have}) "
+                    f"show none; {kind} are skipped (scalars still go to every logger)."
+                )
+
+    @rank_zero_only
+    def log_step(self, trainer: pl.Trainer, data: StepData) -> None:
+        """Send one logging step to every logger, one write each (a ``log`` call, an event, a batch)."""
+        self.tags.update(dict.fromkeys(data.scalars))
+        backends = self._backends(trainer)
+        self._warn_unshown(backends, data.kinds())
+        for logger, found in backends:
+            found.write(logger, data)
+
+    def _send(self, trainer: pl.Trainer, data: StepData) -> None:
+        if self._held is None:
+            self.log_step(trainer, data)
+        elif data.step in self._held:
+            self._held[data.step].update(data)
+        else:
+            self._held[data.step] = data
+
+    @contextlib.contextmanager
+    def gathered(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Hold every call of this sink inside the block; at its end send each step with :meth:`log_step`,
+        then the layout if it was asked for. Nested blocks are one block; an exception drops what was held."""
+        if self._held is not None:
+            yield
+            return
+        held: dict[int, StepData] = {}
+        self._held, self._held_layout = held, None
+        try:
+            yield
+            layout = self._held_layout
+        finally:
+            self._held, self._held_layout = None, None
+        for step in sorted(held):
+            self.log_step(trainer, held[step])
+        if layout is not None:
+            self.layout(trainer, layout)
 
     @rank_zero_only
     def scalars(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if not metrics:
-            return
-        self.tags.update(dict.fromkeys(metrics))
-        for logger in trainer.loggers:
-            if _writes_events(logger):
-                # What `log_metrics` writes, prefix included, as one summary of many values.
-                values = _add_prefix(metrics, logger._prefix, logger.LOGGER_JOIN_CHAR)
-                summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-                logger.experiment._get_file_writer().add_summary(summary, step)
-            else:
-                logger.log_metrics(metrics, step=step)
+        if metrics:
+            self._send(trainer, StepData(step, scalars=dict(metrics)))
 
     @rank_zero_only
     def text(self, trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
-        for board in self._tensorboards(trainer, "text"):
-            writer = board.experiment
-            if hasattr(writer, "_get_file_writer"):
-                # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
-                summary = text_summary(tag, text)
-                summary.value[0].tag = tag
-                # A scalar string, not a 1-element vector: TensorBoard renders a vector as a table of
-                # cells, which would frame a markdown table inside another one.
-                summary.value[0].tensor.tensor_shape.ClearField("dim")
-                writer._get_file_writer().add_summary(summary, step)
-            else:  # pragma: no cover - tensorboardX writer
-                writer.add_text(tag, text, global_step=step)
+        """Markdown text: TensorBoard's Text tab, a W&B table with a row per line, ``<tag>.md`` for MLflow and CSV."""
+        self._send(trainer, StepData(step, texts={tag: text}))
+
+    @rank_zero_only
+    def table(
+        self,
+        trainer: pl.Trainer,
+        tag: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Cell]],
+        step: int,
+        caption: str = "",
+    ) -> None:
+        """Rows under named columns (one per module call, one per finding): a ``wandb.Table`` for W&B,
+        markdown (after ``caption`` in bold) for TensorBoard, and in ``<tag>.md`` for MLflow and CSV."""
+        self._send(trainer, StepData(step, tables={tag: Table.of(columns, rows, caption)}))
 
     @rank_zero_only
     def flush(self, trainer: pl.Trainer) -> None:
-        """Write what the TensorBoard loggers hold to disk now, e.g. before raising."""
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.flush()
+        """Write what the loggers hold to disk now, e.g. before raising."""
+        for logger, found in self._backends(trainer):
+            found.flush(logger)
 
     @rank_zero_only
     def histogram(self, trainer: pl.Trainer, tag: str, hist: Histogram, step: int) -> None:
         """A histogram counted on device (see :func:`lightning_hooks._stats.histogram`)."""
-        for board in self._tensorboards(trainer, "histograms"):
-            board.experiment.add_histogram_raw(
-                tag,
-                min=hist.min,
-                max=hist.max,
-                num=hist.num,
-                sum=hist.sum,
-                sum_squares=hist.sum_squares,
-                bucket_limits=hist.bucket_limits,
-                bucket_counts=hist.bucket_counts,
-                global_step=step,
-            )
+        self._send(trainer, StepData(step, histograms={tag: hist}))
 
     def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
-        """Whether :meth:`image` would write anywhere: on rank zero, with a TensorBoard logger.
+        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures.
 
         Without one, warns once when ``warn`` (figures that were asked for, not merely on by default).
         """
-        return trainer.is_global_zero and bool(self._tensorboards(trainer, "figures", warn=warn))
+        if not trainer.is_global_zero:
+            return False
+        backends = self._backends(trainer)
+        if any(FIGURES in found.shows for _, found in backends):
+            return True
+        if warn:
+            self._warn_unshown(backends, [FIGURES])
+        return False
 
     @rank_zero_only
     def image(self, trainer: pl.Trainer, tag: str, image: NDArray[np.uint8], step: int) -> None:
-        """An ``H x W x 3`` ``uint8`` image, to the Images tab."""
-        for board in self._tensorboards(trainer, "figures"):
-            board.experiment.add_image(tag, image, global_step=step, dataformats="HWC")
+        """An ``H x W x 3`` ``uint8`` image: TensorBoard's Images tab, a ``wandb.Image``, an MLflow PNG artifact."""
+        self._send(trainer, StepData(step, images={tag: image}))
 
     @rank_zero_only
     def layout(self, trainer: pl.Trainer, step: int) -> None:
@@ -140,14 +174,11 @@ class Sink:
         that logs to it: the layout is built from the tags of all of their sinks, and written
         again, at ``step``, whenever one of them logged a tag the layout did not cover yet. A
         layout written by other code to the same run is replaced. Loggers other than
-        TensorBoard's have no such thing and are skipped without a warning.
+        TensorBoard's have no such thing and are skipped without a warning. Inside
+        :meth:`gathered`, it is written after the held steps.
         """
-        for board in self._tensorboards(trainer, "layouts", warn=False):
-            known = _RUN_TAGS.setdefault(board, {})
-            if all(tag in known for tag in self.tags):
-                continue
-            known.update(self.tags)
-            layout = build_layout(known)
-            writer = board.experiment
-            if layout and hasattr(writer, "_get_file_writer"):
-                writer._get_file_writer().add_summary(custom_scalars(layout), step)
+        if self._held is not None:
+            self._held_layout = step
+            return
+        for logger, found in self._backends(trainer):
+            found.layout(logger, self.tags, step)

@@ -295,11 +295,12 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
-        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-        if self._armed is not None and trainer.global_step != self._armed:
-            step, self._armed = self._armed, None
-            self._emit(trainer, step)
-        self._dashboard.publish(trainer, self.every(trainer))
+        with self._sink.gathered(trainer):  # each logger gets the step's scalars, histograms and figures at once
+            # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
+            if self._armed is not None and trainer.global_step != self._armed:
+                step, self._armed = self._armed, None
+                self._emit(trainer, step)
+            self._dashboard.publish(trainer, self.every(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
