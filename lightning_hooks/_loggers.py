@@ -253,8 +253,9 @@ class MLflowBackend(Backend):
             if renamed and not self.warned:
                 self.warned = True
                 rank_zero_warn(
-                    f"MLflow metric keys may only hold letters, digits, `_`, `/`, `.`, `-` and spaces, and no empty "
-                    f"path segment; these tags are logged to MLflow under other keys: {', '.join(renamed[:5])}"
+                    f"`{type(logger).__name__}`: MLflow metric keys may only hold letters, digits, `_`, `/`, `.`, `-` "
+                    f"and spaces, and no empty path segment; these tags are logged to MLflow under other keys: "
+                    f"{', '.join(renamed[:5])}"
                     + (f" and {len(renamed) - 5} more" if len(renamed) > 5 else "")
                     + " (warned once per logger)."
                 )

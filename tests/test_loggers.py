@@ -328,6 +328,40 @@ def test_mlflow_markdown_goes_on_in_a_resumed_run(tmp_path: Path, monkeypatch: p
     assert Path(path).read_text().count("## step 0\n") == 2
 
 
+class Halves(nn.Module):
+    """Returns a dict whose key MLflow cannot take as it is."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"pos:part": x.clamp(min=0), "neg": x.clamp(max=0)}
+
+
+class HalvesNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.halves = Halves()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(self.halves(self.fc1(x))["pos:part"]))
+
+
+def test_mlflow_gets_a_tag_it_cannot_take_under_a_key_it_can_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow", reason="mlflow is not installed (`pip install 'lightning-hooks[loggers]'`)")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    logger = MLFlowLogger(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    stats = ActivationStats(include=["halves"], stats=["mean"], log_every_n_steps=1)
+    with pytest.warns(UserWarning, match="`MLFlowLogger`: MLflow metric keys may only hold") as record:
+        make_trainer(tmp_path, [stats], logger=logger, max_steps=2).fit(HalvesNet())
+    renamed = [str(w.message) for w in record if "MLflow metric keys" in str(w.message)]
+    assert len(renamed) == 1
+    assert "`act_mean/halves.out.pos:part` → `act_mean/halves.out.pospart`" in renamed[0]
+    for key in ("act_mean/halves.out.pospart", "act_mean/halves.out.neg"):
+        assert [m.step for m in logger.experiment.get_metric_history(str(logger.run_id), key)] == [0, 1]
+
+
 def test_the_package_imports_wandb_and_mlflow_only_where_their_logger_is_written_to() -> None:
     package = Path(__file__).resolve().parents[1] / "lightning_hooks"
     for path in package.rglob("*.py"):
