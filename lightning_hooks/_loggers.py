@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
 
+import numpy as np
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
@@ -32,7 +33,6 @@ from lightning_hooks._tables import Table
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    import numpy as np
     from numpy.typing import NDArray
 
 HISTOGRAMS, FIGURES, TEXT, TABLES = "histograms", "figures", "text", "tables"
@@ -188,7 +188,6 @@ class WandbBackend(Backend):
     shows = frozenset(EXTRAS)
 
     def write(self, logger: WandbLogger, data: StepData) -> None:
-        import numpy as np
         import wandb
 
         row: dict[str, Any] = {}
