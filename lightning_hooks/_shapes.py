@@ -11,6 +11,7 @@ from lightning_hooks._autograd import in_backward
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import Signature, call_inputs, format_signature, signature
 from lightning_hooks._select import ModuleSelector, label
+from lightning_hooks._tables import markdown_table
 
 
 @dataclass
@@ -133,10 +134,11 @@ def format_table(rows: list[ShapeRow]) -> str:
     return "\n".join(lines)
 
 
+def shape_table(rows: list[ShapeRow]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``(columns, cells)``: the table as data, one row per module call, for a logger's own table form."""
+    return _HEADER, _cells(rows)
+
+
 def format_markdown(rows: list[ShapeRow]) -> str:
     """The same table in markdown, which TensorBoard's text dashboard renders as a table."""
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-    return "\n".join([line(_HEADER), "|" + "---|" * len(_HEADER), *(line(c) for c in _cells(rows))])
+    return markdown_table(*shape_table(rows))

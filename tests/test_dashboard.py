@@ -156,16 +156,16 @@ def test_other_loggers_get_no_layout_and_one_warning_about_figures_that_were_ask
         tmp_path, [GradStats(figure_every_n_steps=1)], logger=False, max_steps=3, log_every_n_steps=1
     )
     trainer.loggers = [CSVLogger(tmp_path, name="csv")]
-    with pytest.warns(UserWarning, match="`GradStats` logs figures to TensorBoard only") as record:
+    with pytest.warns(UserWarning, match="`GradStats` logs figures to TensorBoard, W&B and MLflow") as record:
         trainer.fit(TinyNet())
-    assert sum("TensorBoard only" in str(w.message) for w in record) == 1
+    assert sum("logs figures to" in str(w.message) for w in record) == 1
 
 
 def test_other_loggers_get_no_warning_about_default_figures(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
     trainer = make_trainer(tmp_path, [GradStats(), ActivationStats()], logger=False, max_steps=3, log_every_n_steps=1)
     trainer.loggers = [CSVLogger(tmp_path, name="csv")]
     trainer.fit(TinyNet())
-    assert not [str(w.message) for w in recwarn if "TensorBoard only" in str(w.message)]
+    assert not [str(w.message) for w in recwarn if "logs figures to" in str(w.message)]
     assert "act_zero_frac/act" in next((tmp_path / "csv").rglob("metrics.csv")).read_text().splitlines()[0]
 
 

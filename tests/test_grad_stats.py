@@ -111,7 +111,7 @@ def test_histograms_go_to_tensorboard(tmp_path: Path) -> None:
 def test_csv_logger_gets_scalars_and_one_warning_about_histograms(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [GradStats(histograms=True)], logger=False, max_steps=3, log_every_n_steps=1)
     trainer.loggers = [CSVLogger(tmp_path, name="csv")]
-    with pytest.warns(UserWarning, match="logs histograms to TensorBoard only") as record:
+    with pytest.warns(UserWarning, match="logs histograms to TensorBoard, W&B and MLflow") as record:
         trainer.fit(TinyNet())
     assert sum("histograms" in str(w.message) for w in record) == 1
     header = next((tmp_path / "csv").rglob("metrics.csv")).read_text().splitlines()[0]

@@ -258,11 +258,12 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
-        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-        step = self.gate.end(trainer.global_step)
-        if step is not None:
-            self._emit(trainer, step)
-        self._dashboard.publish(trainer, self.every(trainer))
+        with self._sink.gathered(trainer):  # each logger gets the step's scalars, histograms and figures at once
+            # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
+            step = self.gate.end(trainer.global_step)
+            if step is not None:
+                self._emit(trainer, step)
+            self._dashboard.publish(trainer, self.every(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

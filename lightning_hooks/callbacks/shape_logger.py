@@ -10,7 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
-from lightning_hooks._shapes import ShapeRecorder, format_markdown, format_table, parameter_count
+from lightning_hooks._shapes import ShapeRecorder, format_table, parameter_count, shape_table
 from lightning_hooks._sink import echo
 from lightning_hooks.callbacks._base import HookCallback, report_silent_modules
 
@@ -125,5 +125,5 @@ class ShapeLogger(HookCallback):
             self._logged.add(digest)
             header = f"{type(pl_module).__name__} · step {step} · batch {format_signature(self._batch)}"
             echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
-            self._sink.text(trainer, TAG, f"**{header}**\n\n{format_markdown(recorder.rows)}", step)
+            self._sink.table(trainer, TAG, *shape_table(recorder.rows), step, caption=header)
         recorder.clear()
