@@ -47,11 +47,12 @@ FIGURE_TIME_SHARE = 0.01
 class Dashboard:
     """The custom-scalars layout and the figures of one statistics callback.
 
-    The callback hands over the moment rows it logs (:meth:`add_rows`) and calls :meth:`publish`
-    at the end of every training batch. On a step that logged, ``publish`` has the sink write the
+    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at
+    the end of every training batch. On a step that logged, ``publish`` has the sink write the
     run's layout when new tags appeared, and, when the step is a multiple of the figure period,
-    draws the figures of the rows (rank zero only, TensorBoard only: without a TensorBoard logger
-    it warns once if ``figure_every_n_steps`` was given, and is silent for the default). Without
+    draws the figures of the states (rank zero only, for the loggers that show images:
+    TensorBoard, W&B, MLflow; without one it warns once if ``figure_every_n_steps`` was given,
+    and is silent for the default). Without
     matplotlib it warns once and draws nothing; training goes on.
 
     A figure costs a tenth of a second or more of matplotlib, which on a small model is the time

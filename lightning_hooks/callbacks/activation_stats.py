@@ -35,8 +35,8 @@ class ActivationStats(StatsCallback):
     * ``act_mean/<layer>``, ``act_std/<layer>`` (population std), ``act_abs_max/<layer>``
     * ``act_zero_frac/<layer>``: share of exact zeros, the dead-ReLU detector
     * ``act_nonfinite/<layer>``: how many values are NaN or Inf
-    * ``act/<layer>``: histogram (TensorBoard only), when ``histograms=True``
-    * ``figures/activation_zero_frac``: image (TensorBoard only), every ``figure_every_n_steps``
+    * ``act/<layer>``: histogram (TensorBoard, W&B, MLflow), when ``histograms=True``
+    * ``figures/activation_zero_frac``: image (TensorBoard, W&B, MLflow), every ``figure_every_n_steps``
 
     Args:
         log_every_n_steps: Logging period in optimizer steps; ``None`` uses the Trainer's.

@@ -45,8 +45,8 @@ class GradStats(StatsCallback):
     * ``grad_norm/<param>``, ``grad_mean/…``, ``grad_std/…``, ``grad_abs_max/…``,
       ``grad_zero_frac/…``, ``grad_nonfinite/…``; ``grad_norm_total`` over all watched parameters
     * ``update_ratio/<param>``: ``||Δw|| / ||w||`` across the optimizer step
-    * ``grad/<param>``: histogram (TensorBoard only), when ``histograms=True``
-    * ``figures/gradient_flow``: image (TensorBoard only), every ``figure_every_n_steps``
+    * ``grad/<param>``: histogram (TensorBoard, W&B, MLflow), when ``histograms=True``
+    * ``figures/gradient_flow``: image (TensorBoard, W&B, MLflow), every ``figure_every_n_steps``
     * ``out_grad_norm/<layer>``, ``out_grad_abs_max/<layer>``, ``out_grad_nonfinite/<layer>``
 
     Args:
