@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -179,6 +180,10 @@ class StepInstructions(StepProbe):
         if self.first < step <= self.end:
             self._meter.mark(f"step {step - 1}")
         if step == self.first:
+            # Every window starts from a collected, frozen heap: the collections counted in it are
+            # the variant's own, not an accident of what the variants before it left behind.
+            gc.collect()
+            gc.freeze()
             self._meter.start()
         elif step == self.end:
             self._meter.stop()

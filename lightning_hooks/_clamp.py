@@ -89,4 +89,5 @@ class _ClampHook:
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         clamper = self.clamper
-        return clamp_true_gradient(grad, clamper.value, loss_scale(clamper.scaler), clamper.count)
+        scale = None if clamper.scaler is None else loss_scale(clamper.scaler)  # no call per gradient without AMP
+        return clamp_true_gradient(grad, clamper.value, scale, clamper.count)

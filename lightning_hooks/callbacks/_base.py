@@ -246,8 +246,8 @@ class StatsCallback(HookCallback):
     ) -> None:
         if not self._enabled:
             return
-        opening = not self.gate.is_open
-        if self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
+        opening = self.gate.step is None
+        if self.gate.begin(trainer.global_step, opening and self.is_logging_step(trainer)):
             if opening:
                 self._batch.start()
                 self._start_step()
@@ -258,11 +258,12 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
+        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
+        step = self.gate.end(trainer.global_step)
+        if step is None:  # nothing was recorded, or more micro-batches of the step are to come
+            return
         with self._sink.gathered(trainer):  # each logger gets the step's scalars, histograms and figures at once
-            # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-            step = self.gate.end(trainer.global_step)
-            if step is not None:
-                self._emit(trainer, step)
+            self._emit(trainer, step)
             self._dashboard.publish(trainer, self.every(trainer))
 
     @override

@@ -113,7 +113,8 @@ class GradClamp(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._clamper.count.active = self.gate.begin(trainer.global_step, self.is_logging_step(trainer))
+        due = self.gate.step is None and self.is_logging_step(trainer)
+        self._clamper.count.active = self.gate.begin(trainer.global_step, due)
 
     @override
     def on_before_optimizer_step(
