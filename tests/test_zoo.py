@@ -97,3 +97,10 @@ def test_modules_that_never_run_are_named_once(tmp_path: Path) -> None:
     never = [m for m in messages if "never ran" in m]
     assert len(never) == 1
     assert "encoder.layers.0.self_attn" in never[0]
+
+
+def test_the_never_ran_warning_comes_once_per_fit_not_once_per_process(tmp_path: Path) -> None:
+    model = TransformerNet(frozen_eval=True)
+    for run in ("first", "second"):  # the same model in a new Trainer is a new fit: the user is told again
+        never = [m for m in fit(model, tmp_path / run) if "never ran" in m]
+        assert len(never) == 1, run
