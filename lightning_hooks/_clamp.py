@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from lightning_hooks._autograd import loss_scale
 from lightning_hooks._handles import HookHandles
+from lightning_hooks._shards import local
 
 
 class ClampCount:
@@ -22,11 +23,20 @@ class ClampCount:
     def reset(self) -> None:
         self.active, self.clamped, self.seen = False, [], 0
 
-    def fraction(self) -> float | None:
-        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count."""
+    def fraction(self, pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count.
+
+        ``pool`` sums a tensor over processes (one collective) when each saw its own shard of the
+        gradients; every process must then call this, whatever it saw.
+        """
         clamped, seen = self.clamped, self.seen
         self.reset()
-        return torch.stack(clamped).sum().item() / seen if seen else None
+        if pool is None:
+            return torch.stack(clamped).sum().item() / seen if seen else None
+        here = torch.stack(clamped).sum().double() if clamped else torch.zeros((), dtype=torch.float64)
+        counts = torch.stack([here, torch.tensor(float(seen), dtype=torch.float64, device=here.device)])
+        total_clamped, total_seen = pool(counts).tolist()
+        return total_clamped / total_seen if total_seen else None
 
 
 def clamp_true_gradient(
@@ -75,12 +85,17 @@ class GradClamper:
             handles.add(param.register_hook(_ClampHook(self)))
 
     def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now)."""
+        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now).
+
+        A sharded gradient (``DTensor``) is clamped shard by shard, which is exact as the clamp is
+        elementwise; the count is then this process's, for :meth:`ClampCount.fraction` to pool.
+        """
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         with torch.no_grad():
             for param in params:
                 if param.grad is not None and id(param) in in_optimizer:
-                    param.grad.copy_(clamp_true_gradient(param.grad, self.value, None, self.count))
+                    grad = local(param.grad)
+                    grad.copy_(clamp_true_gradient(grad, self.value, None, self.count))
 
 
 class _ClampHook:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -10,6 +11,7 @@ from typing_extensions import override
 from lightning_hooks import _validate
 from lightning_hooks._clamp import GradClamper
 from lightning_hooks._select import trainable_parameters
+from lightning_hooks._shards import is_sharded
 from lightning_hooks.callbacks._base import HookCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
@@ -90,9 +92,12 @@ class GradClamp(HookCallback):
         )
         self._clamper = GradClamper(self.value)
         self._params: list[nn.Parameter] = []
+        self._sharded = False
+        """Whether some parameter is sharded (FSDP2): each process then counts its own shards."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
             refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
 
@@ -100,6 +105,7 @@ class GradClamp(HookCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._clamper = GradClamper(self.value, loss_scaler(trainer))
         self._params = [param for _, param in trainable_parameters(modules)]
+        self._sharded = any(is_sharded(param) for param in self._params)
         if self.mode == "backward":
             self._clamper.attach(self._params, self._handles)
 
@@ -130,6 +136,15 @@ class GradClamp(HookCallback):
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:
-            fraction = self._clamper.count.fraction()  # the one host transfer of the step
+            fraction = self._clamper.count.fraction(_summer(trainer) if self._sharded else None)  # one host transfer
             if fraction is not None:
                 self._sink.scalars(trainer, {TAG: fraction}, step)
+
+
+def _summer(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sum over every process, on the strategy's device (one all-reduce)."""
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        return trainer.strategy.reduce(tensor.to(trainer.strategy.root_device), reduce_op="sum")
+
+    return total
