@@ -1,9 +1,10 @@
 """A real 2-process FSDP2 fit on CPU (gloo), run by tests/test_fsdp.py as a script.
 
-    python tests/fsdp_run.py --mode fit|fail|tensor-parallel --out DIR
+    python tests/fsdp_run.py --mode fit|backward|fail|tensor-parallel --out DIR
 
 Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``: every parameter
-becomes a ``DTensor`` sharded over the two processes. ``fit`` runs every callback; ``fail`` makes
+becomes a ``DTensor`` sharded over the two processes. ``fit`` runs every callback, with
+``GradClamp(mode="accumulated")``, and ``backward`` with ``GradClamp(mode="backward")``; ``fail`` makes
 rank 1's ``training_step`` raise at step 1 while rank 0 goes on into FSDP's collectives;
 ``tensor-parallel`` must be refused at ``setup``. Each rank writes what it saw to ``DIR/rank<N>.json``.
 """
@@ -21,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,12 +58,29 @@ class ShardNet(TinyNet):
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
 
+def unsharded_hooks(model: torch.nn.Module) -> int:
+    """Tensor hooks on FSDP2's unsharded parameters, which only FSDP's internals reach (a test's look)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else []:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                total += len(getattr(unsharded, "_backward_hooks", None) or {})
+    return total
+
+
 class Record(pl.Callback):
-    """First in the callback list: the hooks before ours attach, and each rank's batches."""
+    """First in the callback list: the hooks before ours attach, those on unsharded parameters
+    during the steps, and each rank's batches."""
 
     def __init__(self) -> None:
         self.before: dict[str, tuple[int, ...]] = {}
+        self.unsharded_hooks_in_step = 0
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.unsharded_hooks_in_step = max(self.unsharded_hooks_in_step, unsharded_hooks(pl_module))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.before = hook_state(pl_module)
@@ -73,7 +91,7 @@ class Record(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["fit", "fail", "tensor-parallel"])
+    parser.add_argument("--mode", required=True, choices=["fit", "backward", "fail", "tensor-parallel"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
@@ -86,7 +104,7 @@ def main() -> None:
         ShapeLogger(),
         GradStats(log_every_n_steps=1),
         ActivationStats(log_every_n_steps=1),
-        GradClamp(CLAMP, mode="accumulated"),
+        GradClamp(CLAMP, mode="backward" if args.mode == "backward" else "accumulated"),
         NonFiniteGuard(),
     ]
     tensor_parallel = 2 if args.mode == "tensor-parallel" else 1
@@ -114,7 +132,8 @@ def main() -> None:
     except Exception as error:  # every outcome is reported, and judged by the test
         result["error"] = f"{type(error).__name__}: {error}"
     rank = trainer.global_rank
-    result["hooks_kept"] = record.before == hook_state(model) if record.before else None
+    result["hooks_kept"] = record.before == hook_state(model) and not unsharded_hooks(model) if record.before else None
+    result["unsharded_hooks_in_step"] = record.unsharded_hooks_in_step
     result["sharded"] = [name for name, p in model.named_parameters() if type(p).__name__ == "DTensor"]
     if "error" not in result:
         final = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective on every rank

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from lightning_hooks import ActivationStats, GradStats
 from tests.fsdp_run import CLAMP, STEPS
 from tests.helpers import TinyNet, events, make_trainer, scalars
+from tests.test_ddp import expected_weights
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).with_name("fsdp_run.py")
@@ -120,6 +121,22 @@ def test_accumulated_clamp_of_shards_equals_value_clipping(
     expected = sum(int((g.abs() > CLAMP).sum()) for g in grads) / sum(g.numel() for g in grads)
     assert 0 < expected < 1
     assert scalars(out / "tb", "grad_clamp/clamped_fraction")[0] == pytest.approx(expected)
+
+
+def test_backward_clamp_clamps_each_ranks_unsharded_gradient_before_the_reduce_scatter(tmp_path: Path) -> None:
+    done, ranks = run("backward", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in ranks:
+        assert "error" not in rank, rank
+        assert rank["unsharded_hooks_in_step"] == len(PARAMS), "the clamp was on every unsharded parameter"
+        assert rank["hooks_kept"] is True
+    # By hand, as under DDP: each rank clamps the gradient of its own batch, the ranks average, SGD(lr=0.1) steps.
+    final = torch.load(tmp_path / "final.pt")
+    for name, tensor in expected_weights(tmp_path, CLAMP).items():
+        if name in final:
+            assert torch.allclose(final[name], tensor, atol=1e-6), name
+    # The clamp changed the training: not the weights without it.
+    assert not torch.allclose(final["fc1.weight"], expected_weights(tmp_path, 1e9)["fc1.weight"], atol=1e-4)
 
 
 def test_one_event_file_clean_names_and_no_hook_left(sharded_fit: tuple[Path, str]) -> None:

@@ -31,28 +31,19 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
 
-def refuse_sharded(strategy: object, what: str, fix: str, *, fully_shard: bool = False) -> None:
-    """Refuse the sharding strategies under which ``what`` cannot be correct.
-
-    FSDP1 (``FSDPStrategy``) always: it flattens parameters into sharded flat buffers, so a
-    parameter's tensor hooks do not fire and the gradient of an original parameter is a view of
-    a flat shard. FSDP2 (``ModelParallelStrategy``, ``fully_shard``) unless ``fully_shard``, when
-    ``what`` works on the ``DTensor`` shards of the parameters.
-    """
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+def refuse_sharded(strategy: object, what: str, fix: str) -> None:
+    """Refuse FSDP1 (``FSDPStrategy``), under which ``what`` cannot be correct: it flattens parameters
+    into sharded flat buffers, so a parameter's tensor hooks do not fire and the gradient of an
+    original parameter is a view of a flat shard. FSDP2 (``ModelParallelStrategy`` with
+    ``fully_shard``) keeps each parameter a ``DTensor``, which the callbacks read shard by shard."""
+    from lightning.pytorch.strategies import FSDPStrategy
 
     if isinstance(strategy, FSDPStrategy):
-        alternative = " or shard with `ModelParallelStrategy` (FSDP2: `fully_shard` in `configure_model`)"
         raise MisconfigurationException(
             f"{what} does not support `strategy=FSDPStrategy` (FSDP1): it flattens parameters into sharded flat "
             f"buffers, so per-parameter gradient hooks do not fire and a shard's gradient is not the parameter's. "
-            f"Either {fix}{alternative if fully_shard else ''}, or use DDP."
-        )
-    if not fully_shard and isinstance(strategy, ModelParallelStrategy):
-        raise MisconfigurationException(
-            f"{what} does not support `strategy=ModelParallelStrategy`: FSDP2 reduce-scatters each rank's unsharded "
-            f"gradient into shards inside its backward, and offers no supported place to change a single "
-            f"parameter's unsharded gradient before that. Either {fix} or use DDP."
+            f"Either {fix}, shard with `ModelParallelStrategy` (FSDP2: `fully_shard` in `configure_model`), which "
+            f"{what} supports, or use DDP."
         )
 
 

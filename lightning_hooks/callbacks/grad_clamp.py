@@ -99,20 +99,27 @@ class GradClamp(HookCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
-            refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
+            refuse_sharded(
+                trainer.strategy,
+                f"`{type(self).__name__}(mode='backward')`",
+                "use `mode='accumulated'`",
+            )
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._clamper = GradClamper(self.value, loss_scaler(trainer))
         self._params = [param for _, param in trainable_parameters(modules)]
         self._sharded = any(is_sharded(param) for param in self._params)
-        if self.mode == "backward":
+        if self.mode == "backward" and self._sharded:
+            self._clamper.attach_unsharded(modules, self._params, self._handles, self._step_handles)
+        elif self.mode == "backward":
             self._clamper.attach(self._params, self._handles)
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._clamper.count.reset()
+        self._clamper.unsharded.clear()
         self._params = []
 
     @override
@@ -133,6 +140,8 @@ class GradClamp(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step_handles.remove()  # the clamps on FSDP2's unsharded parameters, hooked again by the next forward
+        self._clamper.unsharded.clear()
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:

@@ -129,9 +129,7 @@ class GradStats(StatsCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.param_grads:
-            refuse_sharded(
-                trainer.strategy, "`GradStats(param_grads=True)`", "set `param_grads=False`", fully_shard=True
-            )
+            refuse_sharded(trainer.strategy, "`GradStats(param_grads=True)`", "set `param_grads=False`")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
