@@ -123,7 +123,7 @@ class ParamGradRecorder:
             self._read.add(id(param))
             self.batch.add(("param", name), counted_part(param.grad), self.histograms)
             if self.update_ratio:
-                before[name] = (param, counted_part(param.detach()).clone())
+                before[name] = (param, counted_part(param).detach().clone())
         if before:
             handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
 
@@ -138,7 +138,7 @@ class _UpdateRatio:
         before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
         for name, (param, old) in before.items():
             if is_sharded(param):  # a shard's part of the norms: pooled across processes at the fetch
-                self.batch.add(("update", name), counted_part(param.detach()) - old)
+                self.batch.add(("update", name), counted_part(param).detach() - old)
                 self.batch.add(("weight", name), old)
                 continue
             ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)

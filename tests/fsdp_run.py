@@ -1,11 +1,12 @@
 """A real 2-process FSDP2 fit on CPU (gloo), run by tests/test_fsdp.py as a script.
 
-    python tests/fsdp_run.py --mode fit|backward|fail|tensor-parallel --out DIR
+    python tests/fsdp_run.py --mode fit|backward|fail|nan|tensor-parallel --out DIR
 
 Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``: every parameter
 becomes a ``DTensor`` sharded over the two processes. ``fit`` runs every callback, with
 ``GradClamp(mode="accumulated")``, and ``backward`` with ``GradClamp(mode="backward")``; ``fail`` makes
 rank 1's ``training_step`` raise at step 1 while rank 0 goes on into FSDP's collectives;
+``nan`` puts a NaN into rank 1's shard of ``fc2.weight``'s gradient at step 1;
 ``tensor-parallel`` must be refused at ``setup``. Each rank writes what it saw to ``DIR/rank<N>.json``.
 """
 
@@ -70,6 +71,15 @@ def unsharded_hooks(model: torch.nn.Module) -> int:
     return total
 
 
+class PoisonRank1(pl.Callback):
+    """At step 1, after FSDP reduce-scattered the gradients, a NaN in rank 1's shard of ``fc2.weight``'s only."""
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 1 and trainer.global_rank == 1:
+            with torch.no_grad():
+                pl_module.fc2.weight.grad.to_local()[0, 0] = float("nan")
+
+
 class Record(pl.Callback):
     """First in the callback list: the hooks before ours attach, those on unsharded parameters
     during the steps, and each rank's batches."""
@@ -91,7 +101,7 @@ class Record(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["fit", "backward", "fail", "tensor-parallel"])
+    parser.add_argument("--mode", required=True, choices=["fit", "backward", "fail", "nan", "tensor-parallel"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
@@ -106,6 +116,7 @@ def main() -> None:
         ActivationStats(log_every_n_steps=1),
         GradClamp(CLAMP, mode="backward" if args.mode == "backward" else "accumulated"),
         NonFiniteGuard(),
+        *([PoisonRank1()] if args.mode == "nan" else []),
     ]
     tensor_parallel = 2 if args.mode == "tensor-parallel" else 1
     trainer = pl.Trainer(

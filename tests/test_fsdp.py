@@ -163,6 +163,16 @@ def test_a_rank_that_raises_leaves_no_hook_and_no_hung_process(tmp_path: Path) -
     assert "planned failure" not in ranks[0]["error"], "rank 0 failed on its own, waiting for rank 1"
 
 
+def test_nonfinite_guard_reads_each_ranks_gradient_shard_and_the_ranks_agree(tmp_path: Path) -> None:
+    done, ranks = run("nan", tmp_path)
+    assert len(ranks) == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    for rank in ranks:
+        assert rank["error"].startswith("NonFiniteError: `NonFiniteGuard` found NaN/Inf values at step 1"), rank
+        assert rank["hooks_kept"] is True
+    assert "another rank found NaN/Inf values" in ranks[0]["error"]
+    assert "fc2.weight" in ranks[1]["error"]
+
+
 def test_tensor_parallel_is_refused_at_setup(tmp_path: Path) -> None:
     done, ranks = run("tensor-parallel", tmp_path)
     assert len(ranks) == 2, done.stdout[-2000:] + done.stderr[-2000:]

@@ -46,7 +46,13 @@ class GradClamp(HookCallback):
     * ``"accumulated"`` clamps the gradient the optimizer will use: after accumulation, after the
       DDP all-reduce, after AMP unscaling. It equals ``Trainer(gradient_clip_val=value,
       gradient_clip_algorithm="value")`` in every setup. It also works where parameter tensor hooks
-      do not fire (sharded parameters).
+      do not fire (FSDP1's flat parameters).
+
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``), ``"accumulated"`` clamps each
+    rank's shard of the reduced gradient in place, and ``"backward"`` puts the clamp on the
+    unsharded parameters a module holds during its forward, so that each rank's own gradient is
+    clamped before FSDP reduce-scatters it, as under DDP. ``grad_clamp/clamped_fraction`` then
+    counts every rank's elements (one more all-reduce on logging steps).
 
     In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler``
     (fp16 mixed precision), the backward hook sees gradients multiplied by the loss scale, so it
