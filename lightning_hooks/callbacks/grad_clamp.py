@@ -99,7 +99,7 @@ class GradClamp(HookCallback):
         self._clamper = GradClamper(self.value)
         self._params: list[nn.Parameter] = []
         self._sharded = False
-        """Whether some parameter is sharded (FSDP2): each process then counts its own shards."""
+        """Whether some parameter is sharded (FSDP2): the clamped count is then summed over processes."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
