@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from lightning_hooks._autograd import loss_scale
+from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
+from lightning_hooks._shards import is_sharded, local
 
 
 class ClampCount:
@@ -22,11 +23,20 @@ class ClampCount:
     def reset(self) -> None:
         self.active, self.clamped, self.seen = False, [], 0
 
-    def fraction(self) -> float | None:
-        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count."""
+    def fraction(self, pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count.
+
+        ``pool`` sums a tensor over processes (one collective) when each saw its own shard of the
+        gradients; every process must then call this, whatever it saw.
+        """
         clamped, seen = self.clamped, self.seen
         self.reset()
-        return torch.stack(clamped).sum().item() / seen if seen else None
+        if pool is None:
+            return torch.stack(clamped).sum().item() / seen if seen else None
+        here = torch.stack(clamped).sum().double() if clamped else torch.zeros((), dtype=torch.float64)
+        counts = torch.stack([here, torch.tensor(float(seen), dtype=torch.float64, device=here.device)])
+        total_clamped, total_seen = pool(counts).tolist()
+        return total_clamped / total_seen if total_seen else None
 
 
 def clamp_true_gradient(
@@ -69,18 +79,64 @@ class GradClamper:
     def __init__(self, value: float, scaler: torch.amp.GradScaler | None = None) -> None:
         self.value, self.scaler = value, scaler
         self.count = ClampCount()
+        self.unsharded: set[int] = set()
+        """Ids of the unsharded parameters hooked in this step (FSDP2, see :meth:`attach_unsharded`)."""
 
     def attach(self, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
         for param in params:
             handles.add(param.register_hook(_ClampHook(self)))
 
+    def attach_unsharded(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        params: Sequence[nn.Parameter],
+        handles: HookHandles,
+        step_handles: HookHandles,
+    ) -> None:
+        """Clamp, in backward, the unsharded gradient of those sharded ``params`` (FSDP2) that ``modules`` own.
+
+        FSDP2 gives a module its unsharded parameters for its forward and reduce-scatters their
+        gradients once backward has computed them: a forward pre-hook on each module (in
+        ``handles``) puts the clamp on the unsharded parameters it finds there, once per step, so
+        that each backward's gradient is clamped before it is accumulated and reduce-scattered.
+        Those tensor hooks go into ``step_handles``; remove them and clear :attr:`unsharded` at
+        the end of each step.
+        """
+        wanted = {id(p) for p in params}
+        for _, module in modules:
+            names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
+            if names:
+                handles.add(module.register_forward_pre_hook(_ClampUnsharded(self, names, step_handles)))
+
     def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now)."""
+        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now).
+
+        A sharded gradient (``DTensor``) is clamped shard by shard, which is exact as the clamp is
+        elementwise; the count is then this process's, for :meth:`ClampCount.fraction` to pool.
+        """
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         with torch.no_grad():
             for param in params:
                 if param.grad is not None and id(param) in in_optimizer:
-                    param.grad.copy_(clamp_true_gradient(param.grad, self.value, None, self.count))
+                    grad = local(param.grad)
+                    grad.copy_(clamp_true_gradient(grad, self.value, None, self.count))
+
+
+class _ClampUnsharded:
+    """Forward pre-hook under FSDP2: clamp the gradients of the module's unsharded parameters."""
+
+    def __init__(self, clamper: GradClamper, names: list[str], handles: HookHandles) -> None:
+        self.clamper, self.names, self.handles = clamper, names, handles
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if in_backward():  # activation checkpointing re-running forward: hooked already
+            return
+        hooked = self.clamper.unsharded
+        for name in self.names:
+            param = getattr(module, name)
+            if not is_sharded(param) and param.requires_grad and id(param) not in hooked:
+                hooked.add(id(param))
+                self.handles.add(param.register_hook(_ClampHook(self.clamper)))
 
 
 class _ClampHook:

@@ -44,7 +44,7 @@ from lightning_hooks._autograd import in_backward
 from lightning_hooks._finding import FINITE, Finding, Phase, Reading
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import call_inputs, named_tensors
-from lightning_hooks._select import ModuleSelector
+from lightning_hooks._select import ModuleSelector, type_label
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,7 @@ class NonFiniteRecorder:
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
-            kind = type(module).__name__
+            kind = type_label(module)
             handles.add(module.register_forward_pre_hook(_Enter(self, name, kind), with_kwargs=True))
             handles.add(module.register_forward_hook(_Exit(self, name)))
 

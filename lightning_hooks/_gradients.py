@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,8 @@ from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._select import output_label
-from lightning_hooks._stats import StatBatch
+from lightning_hooks._shards import counted_part, is_sharded
+from lightning_hooks._stats import StatBatch, State
 
 
 class OutputGradRecorder:
@@ -80,6 +82,12 @@ class ParamGradRecorder:
     reads its own. With ``update_ratio``, a copy of each read parameter is kept until the
     optimizer's step post-hook turns it into ``||w_after - w_before|| / ||w_before||``.
 
+    A sharded parameter (a ``DTensor``, FSDP2) is observed through this process's shard only, so
+    its states must be pooled across processes (``StatBatch.fetch`` with the groups ``param``,
+    ``update`` and ``weight``): its update ratio is then observed as the change under
+    ``("update", <name>)`` and the weight before it under ``("weight", <name>)``, which
+    :func:`update_ratio` turns into the ratio once pooled.
+
     Example::
 
         >>> layer = nn.Linear(3, 2)
@@ -113,9 +121,9 @@ class ParamGradRecorder:
             if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
                 continue
             self._read.add(id(param))
-            self.batch.add(("param", name), param.grad, self.histograms)
+            self.batch.add(("param", name), counted_part(param.grad), self.histograms)
             if self.update_ratio:
-                before[name] = (param, param.detach().clone())
+                before[name] = (param, counted_part(param).detach().clone())
         if before:
             handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
 
@@ -129,5 +137,14 @@ class _UpdateRatio:
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
         for name, (param, old) in before.items():
+            if is_sharded(param):  # a shard's part of the norms: pooled across processes at the fetch
+                self.batch.add(("update", name), counted_part(param).detach() - old)
+                self.batch.add(("weight", name), old)
+                continue
             ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
             self.batch.add_scalar(("ratio", name), ratio)
+
+
+def update_ratio(update: State, weight: State) -> float:
+    """``||Δw|| / ||w||`` from the pooled states of a sharded parameter's change and its weight before it."""
+    return math.sqrt(max(update.sum_sq, 0.0)) / max(math.sqrt(max(weight.sum_sq, 0.0)), 1e-12)

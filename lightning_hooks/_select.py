@@ -1,9 +1,10 @@
 """Module selection shared by every callback: ``include``, ``exclude``, ``types``, ``max_depth``.
 
 Names are qualified names relative to the model passed in (``""`` is the model itself). Wrappers
-added by ``torch.compile`` are looked through: ``encoder._orig_mod.layer`` is reported as
-``encoder.layer``. ``torchmetrics`` metrics, which are modules but not part of the computation,
-are never selected.
+added by ``torch.compile``, FSDP1 and activation checkpointing are looked through:
+``encoder._orig_mod.layer`` is reported as ``encoder.layer``, and the class that FSDP2's
+``fully_shard`` makes of a ``Linear`` (``FSDPLinear``) as ``Linear``. ``torchmetrics`` metrics,
+which are modules but not part of the computation, are never selected.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ ROOT_LABEL = "root"
 """How the model itself (qualified name ``""``) is shown in tables and tags."""
 
 _COMPILE_WRAPPER = "_orig_mod"
+_WRAPPERS = (_COMPILE_WRAPPER, "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""The attribute under which each wrapper (torch.compile, FSDP1, activation checkpointing) keeps the module it wraps."""
 
 
 def label(name: str) -> str:
@@ -29,6 +32,13 @@ def label(name: str) -> str:
 def output_label(module: str, path: str) -> str:
     """``<layer>`` for a module's only output tensor, ``<layer>.out.<path>`` inside a nested output."""
     return label(module) if not path else f"{label(module)}.out.{path}"
+
+
+def type_label(module: nn.Module) -> str:
+    """The class name a module is shown under: FSDP2's ``fully_shard`` swaps ``Linear`` for a
+    subclass ``FSDPLinear``, shown as ``Linear``."""
+    cls = next((c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed.fsdp")), nn.Module)
+    return cls.__name__
 
 
 def _known_module_types() -> set[str]:
@@ -147,11 +157,12 @@ def depth(name: str) -> int:
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` with ``torch.compile`` wrappers looked through and metrics left out.
+    """``model.named_modules()`` with wrappers looked through and metrics left out.
 
-    A compiled module (``OptimizedModule``) is not yielded itself; the module it wraps is yielded
-    under the wrapper's name, so that ``self.encoder = torch.compile(encoder)`` keeps the name
-    ``encoder`` and its children keep ``encoder.<child>``.
+    A wrapper (``torch.compile``'s ``OptimizedModule``, FSDP1's ``FullyShardedDataParallel``, an
+    activation-checkpointing ``CheckpointWrapper``) is not yielded itself; the module it wraps is
+    yielded under the wrapper's name, so that ``self.encoder = torch.compile(encoder)`` keeps the
+    name ``encoder`` and its children keep ``encoder.<child>``.
     """
     metrics: list[str] = []
     for name, module in model.named_modules():
@@ -160,8 +171,8 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if _is_metric(module):
             metrics.append(name)
             continue
-        parts = [p for p in name.split(".") if p != _COMPILE_WRAPPER] if name else []
-        if is_compile_wrapper(module):
+        parts = [p for p in name.split(".") if p not in _WRAPPERS] if name else []
+        if any(isinstance(getattr(module, attr, None), nn.Module) for attr in _WRAPPERS):
             continue
         yield ".".join(parts), module
 

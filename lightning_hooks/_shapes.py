@@ -10,7 +10,7 @@ from torch import nn
 from lightning_hooks._autograd import in_backward
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import Signature, call_inputs, format_signature, signature
-from lightning_hooks._select import ModuleSelector, label
+from lightning_hooks._select import ModuleSelector, label, type_label
 from lightning_hooks._tables import markdown_table
 
 
@@ -51,9 +51,7 @@ class ShapeRecorder:
         for name, module in modules:
             count = params[name] if params is not None else parameter_count(module)
             handles.add(
-                module.register_forward_pre_hook(
-                    _ShapePreHook(self, name, type(module).__name__, count), with_kwargs=True
-                )
+                module.register_forward_pre_hook(_ShapePreHook(self, name, type_label(module), count), with_kwargs=True)
             )
             handles.add(module.register_forward_hook(_ShapeHook(self, name), always_call=True))
 

@@ -1,16 +1,8 @@
 """Constructors refuse bad arguments at once, naming the callback, the argument, the value and the fix."""
 
-import os
-from pathlib import Path
-
 import pytest
-import torch
-from lightning.pytorch import Callback
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_hooks import GradClamp, GradStats, ShapeLogger
-from tests.helpers import TinyNet, hook_state, make_trainer
+from lightning_hooks import GradClamp, ShapeLogger
 
 
 @pytest.mark.parametrize(
@@ -60,32 +52,3 @@ def test_selection_arguments(kwargs: dict, error: type[Exception], match: str) -
 def test_grad_clamp_mode() -> None:
     with pytest.raises(ValueError, match=r"`GradClamp` got `mode='sum'`; `mode` must be 'backward' or 'accumulated'"):
         GradClamp(0.2, mode="sum")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("callback", "match"),
-    [
-        (
-            GradClamp(0.2),
-            r"`GradClamp\(mode='backward'\)` does not support .*ModelParallelStrategy.*use `mode='accumulated'`",
-        ),
-        (
-            GradStats(),
-            r"`GradStats\(param_grads=True\)` does not support .*ModelParallelStrategy.*set `param_grads=False`",
-        ),
-    ],
-    ids=["GradClamp", "GradStats"],
-)
-def test_sharded_strategies_are_refused_at_setup_with_the_fix(tmp_path: Path, callback: Callback, match: str) -> None:
-    trainer = make_trainer(tmp_path, [callback], strategy=ModelParallelStrategy(), logger=False, max_steps=1)
-    model = TinyNet()
-    environment = dict(os.environ)
-    try:
-        with pytest.raises(MisconfigurationException, match=match):
-            trainer.fit(model)
-    finally:  # Lightning leaves its one-process group and its rendezvous port behind; later tests must not see them
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environment)
-    assert hook_state(model) == hook_state(TinyNet())

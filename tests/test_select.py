@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks._select import ModuleSelector, depth, label
+from lightning_hooks._select import ModuleSelector, depth, label, trainable_parameters
 
 
 class Block(nn.Module):
@@ -87,3 +87,15 @@ def test_torchmetrics_metrics_are_not_selected() -> None:
     net = Net()
     net.acc = MulticlassAccuracy(num_classes=3)
     assert "acc" not in [name for name, _ in ModuleSelector().select(net)]
+
+
+def test_activation_checkpointing_wrappers_are_looked_through() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    net = Net()
+    net.head = checkpoint_wrapper(net.head)  # type: ignore[assignment]
+    names = [name for name, _ in ModuleSelector(types=["Linear"]).select(net)]
+    assert "head" in names
+    assert not any("_checkpoint_wrapped_module" in name for name in names)
+    params = [name for name, _ in trainable_parameters(ModuleSelector().select(net))]
+    assert "head.weight" in params

@@ -32,15 +32,36 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 
 
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:
-    """Refuse strategies that shard parameters (FSDP, ModelParallel): tensor hooks on sharded
-    ``DTensor`` parameters do not fire, and a shard's gradient is not the parameter's gradient."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    """Refuse FSDP1 (``FSDPStrategy``), under which ``what`` cannot be correct: it flattens parameters
+    into sharded flat buffers, so a parameter's tensor hooks do not fire and the gradient of an
+    original parameter is a view of a flat shard. FSDP2 (``ModelParallelStrategy`` with
+    ``fully_shard``) keeps each parameter a ``DTensor``, which the callbacks read shard by shard."""
+    from lightning.pytorch.strategies import FSDPStrategy
 
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+    if isinstance(strategy, FSDPStrategy):
         raise MisconfigurationException(
-            f"{what} does not support `strategy={type(strategy).__name__}`: parameters are sharded, so per-parameter "
-            f"gradient hooks do not fire and a shard's gradient is not the parameter's. Either {fix} or use DDP."
+            f"{what} does not support `strategy=FSDPStrategy` (FSDP1): it flattens parameters into sharded flat "
+            f"buffers, so per-parameter gradient hooks do not fire and a shard's gradient is not the parameter's. "
+            f"Either {fix}, shard with `ModelParallelStrategy` (FSDP2: `fully_shard` in `configure_model`), which "
+            f"{what} supports, or use DDP."
         )
+
+
+def refuse_tensor_parallel(strategy: object, owner: str) -> None:
+    """Refuse ``ModelParallelStrategy`` with a tensor-parallel dimension: callbacks pool over every
+    process, which would count the values each tensor-parallel rank replicates several times."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        size = strategy.device_mesh["tensor_parallel"].size()
+        if size > 1:
+            raise MisconfigurationException(
+                f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
+                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
+                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
+                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
+                f"`fully_shard` in `configure_model`, or DDP."
+            )
 
 
 _SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -144,6 +165,11 @@ class HookCallback(Callback):
         # Two instances of one callback with different selections keep separate checkpoint state.
         # Lightning reads this for every hook call (to name it for its profiler): build it once.
         return self._state_key
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            refuse_tensor_parallel(trainer.strategy, type(self).__name__)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

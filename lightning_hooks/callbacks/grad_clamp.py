@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -10,6 +11,7 @@ from typing_extensions import override
 from lightning_hooks import _validate
 from lightning_hooks._clamp import GradClamper
 from lightning_hooks._select import trainable_parameters
+from lightning_hooks._shards import is_sharded
 from lightning_hooks.callbacks._base import HookCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
@@ -44,7 +46,13 @@ class GradClamp(HookCallback):
     * ``"accumulated"`` clamps the gradient the optimizer will use: after accumulation, after the
       DDP all-reduce, after AMP unscaling. It equals ``Trainer(gradient_clip_val=value,
       gradient_clip_algorithm="value")`` in every setup. It also works where parameter tensor hooks
-      do not fire (sharded parameters).
+      do not fire (FSDP1's flat parameters).
+
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``), ``"accumulated"`` clamps each
+    rank's shard of the reduced gradient in place, and ``"backward"`` puts the clamp on the
+    unsharded parameters a module holds during its forward, so that each rank's own gradient is
+    clamped before FSDP reduce-scatters it, as under DDP. ``grad_clamp/clamped_fraction`` then
+    counts every rank's elements (one more all-reduce on logging steps).
 
     In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler``
     (fp16 mixed precision), the backward hook sees gradients multiplied by the loss scale, so it
@@ -90,23 +98,34 @@ class GradClamp(HookCallback):
         )
         self._clamper = GradClamper(self.value)
         self._params: list[nn.Parameter] = []
+        self._sharded = False
+        """Whether some parameter is sharded (FSDP2): the clamped count is then summed over processes."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
-            refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
+            refuse_sharded(
+                trainer.strategy,
+                f"`{type(self).__name__}(mode='backward')`",
+                "use `mode='accumulated'`",
+            )
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._clamper = GradClamper(self.value, loss_scaler(trainer))
         self._params = [param for _, param in trainable_parameters(modules)]
-        if self.mode == "backward":
+        self._sharded = any(is_sharded(param) for param in self._params)
+        if self.mode == "backward" and self._sharded:
+            self._clamper.attach_unsharded(modules, self._params, self._handles, self._step_handles)
+        elif self.mode == "backward":
             self._clamper.attach(self._params, self._handles)
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._clamper.count.reset()
+        self._clamper.unsharded.clear()
         self._params = []
 
     @override
@@ -127,9 +146,20 @@ class GradClamp(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step_handles.remove()  # the clamps on FSDP2's unsharded parameters, hooked again by the next forward
+        self._clamper.unsharded.clear()
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:
-            fraction = self._clamper.count.fraction()  # the one host transfer of the step
+            fraction = self._clamper.count.fraction(_summer(trainer) if self._sharded else None)  # one host transfer
             if fraction is not None:
                 self._sink.scalars(trainer, {TAG: fraction}, step)
+
+
+def _summer(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sum over every process, on the strategy's device (one all-reduce)."""
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        return trainer.strategy.reduce(tensor.to(trainer.strategy.root_device), reduce_op="sum")
+
+    return total

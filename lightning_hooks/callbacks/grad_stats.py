@@ -8,10 +8,11 @@ import torch
 from typing_extensions import override
 
 from lightning_hooks import _validate
-from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder
+from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import trainable_parameters
-from lightning_hooks._stats import STATS, derive, norm_total
+from lightning_hooks._shards import is_sharded
+from lightning_hooks._stats import STATS, State, derive, norm_total
 from lightning_hooks.callbacks._base import StatsCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
 OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
+SHARDED_GROUPS = ("param", "update", "weight")
+"""What :class:`~lightning_hooks._gradients.ParamGradRecorder` observes of sharded parameters, shard by shard."""
 
 
 class GradStats(StatsCallback):
@@ -38,6 +41,11 @@ class GradStats(StatsCallback):
 
     Everything is computed on device and reaches the host in one transfer per logging step; on
     other steps no hook is attached and nothing is computed.
+
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard
+    of every parameter's gradient; the shards' moments are summed and their largest magnitudes
+    maxed across processes in the collectives that pool layer output gradients, so every figure is
+    that of the whole gradient and no tensor is gathered. Histograms are of rank zero's shard.
 
     Tags (``<param>`` is a qualified parameter name such as ``features.0.weight``; ``<layer>`` a
     qualified module name, ``root`` for the LightningModule, with ``.out.<path>`` for nested outputs):
@@ -111,12 +119,15 @@ class GradStats(StatsCallback):
             raise ValueError("`GradStats` got `param_grads=False` and `output_grads=False`; enable at least one.")
         self.param_grads, self.output_grads, self.update_ratio = param_grads, output_grads, update_ratio
         self._params: list[tuple[str, nn.Parameter]] = []
+        self._sharded = False
+        """Whether some parameter is sharded (FSDP2): parameter states are then pooled across processes."""
         self._ratio_handles = HookHandles()
         self._outputs = OutputGradRecorder(self._batch, fired=self._fired)
         self._grads = ParamGradRecorder(self._batch, self.histograms, update_ratio)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.param_grads:
             refuse_sharded(trainer.strategy, "`GradStats(param_grads=True)`", "set `param_grads=False`")
 
@@ -124,6 +135,7 @@ class GradStats(StatsCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         super()._attach(trainer, pl_module, modules)
         self._params = trainable_parameters(modules)
+        self._sharded = any(is_sharded(param) for _, param in self._params)
         self._outputs.scaler = loss_scaler(trainer)
 
     @override
@@ -162,15 +174,21 @@ class GradStats(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self.output_grads:
             self._check_fired(trainer, step)
-        # Parameter gradients are already all-reduced; layer output gradients are per rank.
-        fetched = self._batch.fetch(self._across(trainer, {"out"}))
-        params = {name: state for (group, name), state in fetched.states.items() if group == "param"}
-        outputs = {name: state for (group, name), state in fetched.states.items() if group == "out"}
+        # Layer output gradients are per rank; parameter gradients are all-reduced (DDP) or sharded (FSDP2).
+        fetched = self._batch.fetch(self._across(trainer, {"out", *(SHARDED_GROUPS if self._sharded else ())}))
+        grouped: dict[str, dict[str, State]] = {}
+        for (group, name), state in fetched.states.items():
+            grouped.setdefault(group, {})[name] = state
+        params, outputs = grouped.get("param", {}), grouped.get("out", {})
         self._log_states(trainer, "grad_", params, step)
         metrics: dict[str, float] = {}
         if params:
             metrics["grad_norm_total"] = norm_total(params.values())
         metrics.update({f"update_ratio/{name}": value for (_, name), value in fetched.scalars.items()})
+        weights = grouped.get("weight", {})
+        metrics.update(
+            {f"update_ratio/{name}": update_ratio(s, weights[name]) for name, s in grouped.get("update", {}).items()}
+        )
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
         for name, state in outputs.items():
             metrics.update({f"out_grad_{stat}/{name}": value for stat, value in derive(state, out_stats).items()})

@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_hooks import _validate
 from lightning_hooks._finding import Finding, with_parameters
 from lightning_hooks._finite import NonFiniteRecorder, grad_readings, parameter_readings
+from lightning_hooks._shards import local
 from lightning_hooks.callbacks._base import HookCallback, loss_scaler
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class NonFiniteGuard(HookCallback):
 
     def _gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
-            (self._param_names.get(id(p), f"<parameter {i}>"), p.grad)
+            (self._param_names.get(id(p), f"<parameter {i}>"), local(p.grad))  # a DTensor's own shard (FSDP2)
             for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
             if p.grad is not None and p.grad.layout == torch.strided
         ]

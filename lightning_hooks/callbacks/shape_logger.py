@@ -10,6 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
+from lightning_hooks._select import type_label
 from lightning_hooks._shapes import ShapeRecorder, format_table, parameter_count, shape_table
 from lightning_hooks._sink import echo
 from lightning_hooks.callbacks._base import HookCallback, report_silent_modules
@@ -123,7 +124,7 @@ class ShapeLogger(HookCallback):
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:
             self._logged.add(digest)
-            header = f"{type(pl_module).__name__} · step {step} · batch {format_signature(self._batch)}"
+            header = f"{type_label(pl_module)} · step {step} · batch {format_signature(self._batch)}"
             echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
             self._sink.table(trainer, TAG, *shape_table(recorder.rows), step, caption=header)
         recorder.clear()
