@@ -169,6 +169,9 @@ class NonFiniteRecorder:
         self.active = False
         self.batch_idx: int | None = None
         self.generation = 0
+        self.keep: list[torch.Tensor] | None = None
+        """While a list (a replay), every tensor whose gradient is watched is also kept here, so
+        that backward can be asked for exactly those gradients; ``None`` otherwise."""
         self.clear()
 
     def clear(self) -> None:
@@ -192,7 +195,7 @@ class NonFiniteRecorder:
         return {"check_backward": self.check_backward, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, active=False, batch_idx=None)
+        self.__dict__.update(state, active=False, batch_idx=None, keep=None)
         self.clear()
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
@@ -220,6 +223,8 @@ class NonFiniteRecorder:
             seen.group = len(self.groups)
             self.groups.append(_GradGroup())
             t.register_hook(_GradProbe(self, seen.group, self.generation))
+            if self.keep is not None:
+                self.keep.append(t)
         self.groups[seen.group].roles.append((call, path, output))
 
     def _record(self, tensors: list[tuple[str, torch.Tensor]], call: int, output: bool) -> None:
@@ -418,6 +423,31 @@ def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tenso
     """
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
+
+
+def finite_step(
+    grads: Sequence[torch.Tensor], losses: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
+    """Whether a step is finite, as a 0-d bool tensor computed on device: every gradient (one
+    fused ``torch._foreach_norm``, in float32 so that finite half-precision values cannot
+    overflow it), every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
+
+    Reading it is the one host transfer a healthy step costs.
+
+    Example::
+
+        >>> bool(finite_step([torch.ones(3)], [torch.tensor(0.5)]))
+        True
+        >>> bool(finite_step([torch.ones(3)], flags=[torch.tensor(1.0)]))
+        False
+    """
+    parts = list(torch._foreach_norm(list(grads), 2, dtype=torch.float32)) if grads else []
+    parts += [loss.detach().float() for loss in losses]
+    device = (parts or list(flags) or [torch.zeros(())])[0].device
+    finite = torch.stack([t.to(device) for t in parts]).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
+    if flags:
+        finite = finite & (torch.stack([f.to(device).float() for f in flags]).sum() == 0)
+    return finite
 
 
 def parameter_readings(
