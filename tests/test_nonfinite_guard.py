@@ -155,8 +155,8 @@ def test_a_healthy_eager_run_reports_nothing(tmp_path: Path, model: type[pl.Ligh
 
 
 def test_warn_reports_every_time_and_warns_once_per_layer(tmp_path: Path) -> None:
+    guard = NonFiniteGuard(action="warn", mode="eager")  # repaired: the NaN reaches neither loss nor gradients
     with pytest.warns(UserWarning, match=r"`NonFiniteGuard` found NaN/Inf values at step 1") as record:
-        guard = NonFiniteGuard(action="warn", mode="eager")  # repaired: the NaN reaches neither loss nor gradients
         make_trainer(tmp_path, [guard]).fit(ChainNet(Log(), bad_batches=(1, 4), repair=True))
     assert len(guard_warnings(record)) == 1
     reports = texts(tmp_path, TEXT_TAG)
