@@ -1,12 +1,20 @@
-"""Per-step cost of NonFiniteGuard at check_every_n_steps=1 against no guard and against detect_anomaly.
+"""What NonFiniteGuard costs: per healthy step in both modes against no guard and ``detect_anomaly``,
+and on the step that goes bad, the time from detection to report.
 
-    .venv/bin/python benchmarks/nonfinite_guard.py [--repeats 7] [--steps 80]
+    .venv/bin/python benchmarks/nonfinite_guard.py [--repeats 5] [--steps 60] [--workloads digits-cnn transformer]
 
-The three variants run interleaved (none, guard, anomaly, none, ...) so that drifting machine
-load hits all of them alike; each figure is the median over repeats of the per-step median
-inside one Lightning fit, after ``--warmup`` steps. ``detect_anomaly`` is Lightning's
-``Trainer(detect_anomaly=True)``. Two comparisons are printed: step time against no guard, and
-the *extra* time per step of ``detect_anomaly`` against that of the guard.
+**Healthy steps.** Four variants at ``check_every_n_steps=1``: no guard, ``NonFiniteGuard()``
+(``mode="replay"``: the sentinel only), ``NonFiniteGuard(mode="eager")`` (hooks on every step)
+and Lightning's ``Trainer(detect_anomaly=True)``. They run interleaved, each fit in a fresh fork
+(see ``overhead.py``), in an order rotated every repeat, so that drifting machine load hits all
+of them alike; each figure is the median over repeats of the per-step median inside one fit,
+after ``--warmup`` steps.
+
+**The failing step.** A fit whose first parameter is set to Inf at step ``--bad-step`` (the
+first layer then makes Inf and NaN, the loss and every gradient follow), guarded by
+``NonFiniteGuard()``: the time from the sentinel's verdict to the raised report (reading what it
+saw, the replay of the step with hooks, the report), median over repeats, also as a multiple of
+a healthy step of the same workload.
 """
 
 from __future__ import annotations
@@ -15,27 +23,81 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.overhead import WORKLOADS, Variant, quiet, run_once  # noqa: E402
-from lightning_hooks import NonFiniteGuard  # noqa: E402
+from benchmarks.overhead import WORKLOADS, StepTimer, Variant, in_fork, quiet, run_once  # noqa: E402
+from lightning_hooks import NonFiniteError, NonFiniteGuard  # noqa: E402
 
 VARIANTS = [
     Variant("none"),
-    Variant("NonFiniteGuard", lambda: [NonFiniteGuard(check_every_n_steps=1)]),
+    Variant("replay (default)", lambda: [NonFiniteGuard(check_every_n_steps=1)]),
+    Variant("eager", lambda: [NonFiniteGuard(check_every_n_steps=1, mode="eager")]),
     Variant("detect_anomaly", trainer={"detect_anomaly": True}),
 ]
 
 
+class TimedGuard(NonFiniteGuard):
+    """``NonFiniteGuard()`` that measures its failing step from the sentinel's verdict to the report."""
+
+    seconds = float("nan")
+
+    def _failed(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            super()._failed(*args, **kwargs)
+        finally:
+            self.seconds = time.perf_counter() - start
+
+
+class Poison(pl.Callback):
+    """Sets the first value of the model's first parameter to Inf at the start of step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] = float("inf")
+
+
+def detection_to_report(workload: str, bad_step: int, root: str) -> tuple[float, str]:
+    """Seconds from the sentinel's verdict to the report on the poisoned step, and the report's first line."""
+    torch.manual_seed(0)
+    model, data = WORKLOADS[workload]()
+    guard = TimedGuard()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=bad_step + 2,
+        logger=False,
+        callbacks=[Poison(bad_step), guard],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(model, datamodule=data)
+    except NonFiniteError as error:
+        return guard.seconds, str(error).splitlines()[1]
+    raise RuntimeError("the poisoned step was not reported")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--bad-step", type=int, default=20)
     parser.add_argument("--workloads", nargs="*", default=["digits-cnn", "transformer"], choices=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = parser.parse_args()
@@ -43,28 +105,32 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     quiet()
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{args.repeats} repeats x {args.steps} steps (first {args.warmup} dropped)"
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.repeats} repeats x {args.steps} steps (first {args.warmup} dropped), each fit in a fresh fork"
     )
+    names = [v.name for v in VARIANTS]
     with tempfile.TemporaryDirectory() as root:
         for workload in args.workloads:
-            per_fit: dict[str, list[float]] = {v.name: [] for v in VARIANTS}
-            for _ in range(args.repeats):  # interleaved: none, guard, anomaly, none, ...
-                for variant in VARIANTS:
-                    times = run_once(workload, variant, args.steps, root)
-                    per_fit[variant.name].append(statistics.median(t for s, t, _ in times if s >= args.warmup))
+            per_fit: dict[str, list[float]] = {name: [] for name in names}
+            failing: list[float] = []
+            for repeat in range(args.repeats):
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                    variant = next(v for v in VARIANTS if v.name == name)
+                    times = in_fork(lambda v=variant, w=workload: run_once(w, v, args.steps, root, StepTimer()))
+                    per_fit[name].append(statistics.median(t for s, t, _ in times if s >= args.warmup))
+                seconds, first_line = in_fork(lambda w=workload: detection_to_report(w, args.bad_step, root))
+                failing.append(seconds)
             ms = {name: statistics.median(values) * 1e3 for name, values in per_fit.items()}
             base = ms["none"]
-            print(f"\n{workload}")
-            print(f"{'variant':<16}{'ms/step':>9}{'x none':>9}{'extra ms':>10}")
+            print(f"\n{workload}: healthy steps, check_every_n_steps=1")
+            print(f"{'variant':<18}{'ms/step':>9}{'x none':>9}{'extra ms':>10}")
             for name, value in ms.items():
-                print(f"{name:<16}{value:>9.2f}{value / base:>9.2f}{value - base:>10.2f}")
-            guard_extra = ms["NonFiniteGuard"] - base
-            anomaly_extra = ms["detect_anomaly"] - base
-            ratio = f"{anomaly_extra / guard_extra:.1f}x" if guard_extra > 0 else "n/a (guard within noise)"
+                print(f"{name:<18}{value:>9.2f}{value / base:>9.3f}{value - base:>10.2f}")
+            bad = statistics.median(failing) * 1e3
             print(
-                f"detect_anomaly / NonFiniteGuard: {ms['detect_anomaly'] / ms['NonFiniteGuard']:.2f}x the step time, "
-                f"{ratio} the extra time per step"
+                f"failing step {args.bad_step}: detection to report {bad:.1f} ms "
+                f"(min {min(failing) * 1e3:.1f}, max {max(failing) * 1e3:.1f}) = {bad / base:.1f} healthy steps; "
+                f"reported: {first_line}"
             )
 
 
