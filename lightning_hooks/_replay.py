@@ -12,7 +12,8 @@ train/eval flags and the buffers (batch-norm running statistics) are left as the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,32 @@ def set_training_flags(model: nn.Module, flags: Sequence[bool]) -> None:
         module.training = flag
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextmanager
+def observers_asleep(model: nn.Module) -> Iterator[None]:
+    """Take the module hooks of this package's recorders (other callbacks' statistics, shapes) off
+    ``model`` for the duration, so that what they record of a step is not counted twice by its
+    replay; the user's own hooks (``weight_norm``'s, say) stay, and every dict gets its order back.
+    """
+    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr)
+            ours = [key for key, hook in hooks.items() if type(hook).__module__.startswith("lightning_hooks.")]
+            if ours:
+                saved.append((hooks, dict(hooks)))
+                for key in ours:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            hooks.clear()
+            hooks.update(before)
+
+
 def replay(
     model: nn.Module,
     modules: Sequence[tuple[str, nn.Module]],
@@ -86,7 +113,8 @@ def replay(
 
     Each micro-batch starts from its own generator and train/eval states; with ``backward``,
     its loss is differentiated with respect to the recorded activations that require grad.
-    Afterwards the generators, flags and buffers of ``model`` are as they were, and no hook is left.
+    The other recorders of this package sleep meanwhile (:func:`observers_asleep`). Afterwards the
+    generators, flags and buffers of ``model`` are as they were, and no hook is left.
 
     Example::
 
@@ -99,7 +127,7 @@ def replay(
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = NonFiniteRecorder(check_backward=backward)
     try:
-        with HookHandles() as handles, torch.enable_grad():
+        with observers_asleep(model), HookHandles() as handles, torch.enable_grad():
             recorder.attach(modules, handles)
             recorder.active = True
             for micro in micro_batches:

@@ -11,6 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hooks import NonFiniteError, NonFiniteGuard
+from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks._handles import HookHandles
+from lightning_hooks._replay import observers_asleep
+from lightning_hooks._stats import StatBatch
 from lightning_hooks.callbacks.nonfinite_guard import TEXT_TAG
 from tests.helpers import TinyNet, events, hook_state, make_trainer, texts
 from tests.test_finite_core import Log
@@ -291,3 +295,21 @@ def test_a_healthy_run_attaches_no_hook_on_any_step(tmp_path: Path, model: type[
 def test_bad_mode() -> None:
     with pytest.raises(ValueError, match=r"`NonFiniteGuard` got `mode='lazy'`; `mode` must be 'replay' or 'eager'"):
         NonFiniteGuard(mode="lazy")  # type: ignore[arg-type]
+
+
+def test_other_recorders_sleep_through_a_replay_and_the_users_hooks_do_not() -> None:
+    layer, batch = nn.Linear(2, 2), StatBatch()
+    batch.start()
+    calls: list[str] = []
+    with HookHandles() as handles:
+        handles.add(layer.register_forward_hook(lambda *_: calls.append("user, first")))
+        ActivationRecorder(batch).attach([("", layer)], handles)
+        handles.add(layer.register_forward_hook(lambda *_: calls.append("user, last")))
+        before = list(layer._forward_hooks.values())
+        with observers_asleep(layer):
+            assert len(layer._forward_hooks) == 2
+            layer(torch.ones(1, 2))
+        assert list(layer._forward_hooks.values()) == before  # all back, in their order
+    assert not batch.fetch().states  # the activation recorder saw nothing
+    assert calls == ["user, first", "user, last"]
+    assert not layer._forward_hooks
