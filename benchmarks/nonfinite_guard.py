@@ -14,7 +14,9 @@ after ``--warmup`` steps.
 first layer then makes Inf and NaN, the loss and every gradient follow), guarded by
 ``NonFiniteGuard()``: the time from the sentinel's verdict to the raised report (reading what it
 saw, the replay of the step with hooks, the report), median over repeats, also as a multiple of
-a healthy step of the same workload.
+a healthy step of the same workload. Also, far less exposed to the machine's load: the CPU time
+(``time.thread_time``) the replay mode's own hooks take per healthy step (the sentinel's read
+included), summed over its four hooks, against the CPU time of a whole step without the guard.
 """
 
 from __future__ import annotations
@@ -54,6 +56,46 @@ class TimedGuard(NonFiniteGuard):
             super()._failed(*args, **kwargs)
         finally:
             self.seconds = time.perf_counter() - start
+
+
+class HookTimer(NonFiniteGuard):
+    """``NonFiniteGuard()`` that adds up the CPU time its own hooks take in each optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_step: dict[int, float] = {}
+        self.step_cpu: dict[int, float] = {}  # the whole step's CPU time, from one batch start to the next
+        self._last: tuple[int, float] | None = None
+
+    def _timed(self, trainer: pl.Trainer, hook: Any, *args: Any) -> None:
+        step, start = trainer.global_step, time.thread_time()  # CPU time: descheduling does not count
+        hook(trainer, *args)
+        self.per_step[step] = self.per_step.get(step, 0.0) + time.thread_time() - start
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        now = time.thread_time()
+        if self._last is not None:
+            self.step_cpu[self._last[0]] = now - self._last[1]
+        self._last = (trainer.global_step, now)
+        self._timed(trainer, super().on_train_batch_start, *args)
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._timed(trainer, super().on_before_backward, *args)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._timed(trainer, super().on_before_optimizer_step, *args)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._timed(trainer, super().on_train_batch_end, *args)
+
+
+def sentinel_seconds(workload: str, steps: int, warmup: int, root: str) -> tuple[float, float]:
+    """Median CPU time the guard's own hooks take per healthy step (the sentinel and what it keeps),
+    and median CPU time of a whole step."""
+    timer = HookTimer()
+    run_once(workload, Variant("timed", lambda: [timer]), steps, root, StepTimer())
+    own = statistics.median(t for s, t in timer.per_step.items() if warmup <= s < steps)
+    return own, statistics.median(t for s, t in timer.step_cpu.items() if warmup <= s < steps)
 
 
 class Poison(pl.Callback):
@@ -113,6 +155,7 @@ def main() -> None:
         for workload in args.workloads:
             per_fit: dict[str, list[float]] = {name: [] for name in names}
             failing: list[float] = []
+            sentinel: list[tuple[float, float]] = []
             for repeat in range(args.repeats):
                 for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                     variant = next(v for v in VARIANTS if v.name == name)
@@ -120,12 +163,18 @@ def main() -> None:
                     per_fit[name].append(statistics.median(t for s, t, _ in times if s >= args.warmup))
                 seconds, first_line = in_fork(lambda w=workload: detection_to_report(w, args.bad_step, root))
                 failing.append(seconds)
+                sentinel.append(in_fork(lambda w=workload: sentinel_seconds(w, args.steps, args.warmup, root)))
             ms = {name: statistics.median(values) * 1e3 for name, values in per_fit.items()}
             base = ms["none"]
             print(f"\n{workload}: healthy steps, check_every_n_steps=1")
             print(f"{'variant':<18}{'ms/step':>9}{'x none':>9}{'extra ms':>10}")
             for name, value in ms.items():
                 print(f"{name:<18}{value:>9.2f}{value / base:>9.3f}{value - base:>10.2f}")
+            own, cpu = (statistics.median(column) for column in zip(*sentinel, strict=True))
+            print(
+                f"replay mode, CPU time of its own hooks per healthy step: {own * 1e6:.0f} us of the step's "
+                f"{cpu * 1e3:.2f} ms ({own / cpu:.2%})"
+            )
             bad = statistics.median(failing) * 1e3
             print(
                 f"failing step {args.bad_step}: detection to report {bad:.1f} ms "

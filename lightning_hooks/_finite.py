@@ -426,28 +426,34 @@ def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tenso
 
 
 def finite_step(
-    grads: Sequence[torch.Tensor], losses: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()
-) -> torch.Tensor:
-    """Whether a step is finite, as a 0-d bool tensor computed on device: every gradient (one
-    fused ``torch._foreach_norm``, in float32 so that finite half-precision values cannot
-    overflow it), every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
+    grads: list[torch.Tensor], losses: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()
+) -> bool:
+    """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
 
-    Reading it is the one host transfer a healthy step costs.
+    One fused ``torch._foreach_norm`` (in float32, so that finite half-precision values cannot
+    overflow it) over the gradients and the losses (a 0-d tensor's norm is its absolute value),
+    summed on their device (non-negative numbers: the sum is finite exactly when each is), a set
+    flag adding an Inf; then one host transfer, the only one a healthy step costs. The tensors
+    must share a device, as they do in one Lightning process.
 
     Example::
 
-        >>> bool(finite_step([torch.ones(3)], [torch.tensor(0.5)]))
+        >>> finite_step([torch.ones(3)], [torch.tensor(-0.5)])
         True
-        >>> bool(finite_step([torch.ones(3)], flags=[torch.tensor(1.0)]))
+        >>> finite_step([torch.ones(3)], [torch.tensor(float("nan"))])
+        False
+        >>> finite_step([torch.ones(3)], flags=[torch.tensor([1.0])])
         False
     """
-    parts = list(torch._foreach_norm(list(grads), 2, dtype=torch.float32)) if grads else []
-    parts += [loss.detach().float() for loss in losses]
-    device = (parts or list(flags) or [torch.zeros(())])[0].device
-    finite = torch.stack([t.to(device) for t in parts]).isfinite().all() if parts else torch.ones((), dtype=torch.bool)
+    tensors = [*grads, *(loss.detach() for loss in losses)]
+    if not tensors and not flags:
+        return True
+    total = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum() if tensors else None
     if flags:
-        finite = finite & (torch.stack([f.to(device).float() for f in flags]).sum() == 0)
-    return finite
+        found = torch.stack([f.detach().float().sum() for f in flags]).sum()
+        bad = torch.where(found > 0, math.inf, 0.0)
+        total = bad if total is None else total + bad.to(total.device)
+    return math.isfinite(total.item())  # type: ignore[union-attr]
 
 
 def parameter_readings(

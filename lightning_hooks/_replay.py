@@ -65,13 +65,13 @@ class MicroBatch:
     loss: torch.Tensor | None = None
 
 
-def training_flags(model: nn.Module) -> tuple[bool, ...]:
-    """The train/eval flag of every module of ``model``, in ``modules()`` order."""
-    return tuple(m.training for m in model.modules())
+def training_flags(modules: Sequence[nn.Module]) -> tuple[bool, ...]:
+    """The train/eval flag of each module (``list(model.modules())``, made once, is cheaper to walk)."""
+    return tuple(m.training for m in modules)
 
 
-def set_training_flags(model: nn.Module, flags: Sequence[bool]) -> None:
-    for module, flag in zip(model.modules(), flags, strict=True):
+def set_training_flags(modules: Sequence[nn.Module], flags: Sequence[bool]) -> None:
+    for module, flag in zip(modules, flags, strict=True):
         module.training = flag
 
 
@@ -111,7 +111,7 @@ def replay(
 ) -> Finding | None:
     """Run each micro-batch again (``run`` returns its loss) with a recorder on ``modules``; what it found.
 
-    Each micro-batch starts from its own generator and train/eval states; with ``backward``,
+    Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with ``backward``,
     its loss is differentiated with respect to the recorded activations that require grad.
     The other recorders of this package sleep meanwhile (:func:`observers_asleep`). Afterwards the
     generators, flags and buffers of ``model`` are as they were, and no hook is left.
@@ -119,11 +119,13 @@ def replay(
     Example::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
-        >>> batch = MicroBatch(torch.ones(1, 2), 0, RngState.capture(torch.device("cpu")), training_flags(model))
+        >>> start = RngState.capture(torch.device("cpu")), training_flags(list(model.modules()))
+        >>> batch = MicroBatch(torch.ones(1, 2), 0, *start)
         >>> print(replay(model, [("0", model[0])], [batch], lambda mb: model(mb.batch).sum(), torch.device("cpu")))
         None
     """
-    rng, flags = RngState.capture(device), training_flags(model)
+    every = list(model.modules())
+    rng, flags = RngState.capture(device), training_flags(every)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = NonFiniteRecorder(check_backward=backward)
     try:
@@ -132,7 +134,7 @@ def replay(
             recorder.active = True
             for micro in micro_batches:
                 micro.rng.restore()
-                set_training_flags(model, micro.training)
+                set_training_flags(every, micro.training)
                 recorder.batch_idx, recorder.keep = micro.batch_idx, []
                 loss = run(micro)
                 if isinstance(loss, torch.Tensor):
@@ -145,7 +147,7 @@ def replay(
     finally:
         recorder.active, recorder.keep = False, None
         rng.restore()
-        set_training_flags(model, flags)
+        set_training_flags(every, flags)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

@@ -184,6 +184,9 @@ class NonFiniteGuard(HookCallback):
         self._recorder = NonFiniteRecorder(check_backward)
         self._eager = mode == "eager"
         self._micro_batches: list[MicroBatch] = []
+        self._every_module: list[nn.Module] = []
+        self._device = torch.device("cpu")
+        self._distributed = False
         self._skipping = False
         self._warned: set[str] = set()
         self._scaler: torch.amp.GradScaler | None = None
@@ -196,6 +199,8 @@ class NonFiniteGuard(HookCallback):
         self._warned = set()
         self.skipped_steps = 0
         self._eager = self.mode == "eager"
+        self._every_module = list(pl_module.modules())
+        self._device, self._distributed = trainer.strategy.root_device, trainer.world_size > 1
         if not self._eager:
             why = _cannot_replay(trainer, pl_module)
             if why:
@@ -207,6 +212,11 @@ class NonFiniteGuard(HookCallback):
         super()._detach()
         self._disarm()
         self._param_names = {}
+        self._every_module = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Neither the model's modules nor a step's batches travel with a copy of the callback.
+        return {**super().__getstate__(), "_every_module": [], "_micro_batches": []}
 
     def _disarm(self) -> None:
         self.gate.reset()
@@ -223,8 +233,8 @@ class NonFiniteGuard(HookCallback):
         if not self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
             return
         if not self._eager:  # the sentinel: keep what a replay would need, attach nothing
-            rng = RngState.capture(trainer.strategy.root_device)
-            self._micro_batches.append(MicroBatch(batch, batch_idx, rng, training_flags(pl_module)))
+            start = RngState.capture(self._device), training_flags(self._every_module)
+            self._micro_batches.append(MicroBatch(batch, batch_idx, *start))
             return
         if opening:
             self._recorder.clear()
@@ -260,6 +270,10 @@ class NonFiniteGuard(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._eager:
+            if self.gate.end(trainer.global_step) is not None:  # the step is over: let its batches go
+                self._micro_batches, self._skipping = [], False
+            return
         self._recorder.active = False  # what runs until the next batch (validation) is not recorded
         # The checked step is over once the optimizer stepped (after every batch in manual optimization).
         step = self.gate.end(trainer.global_step, force=not pl_module.automatic_optimization)
@@ -276,10 +290,10 @@ class NonFiniteGuard(HookCallback):
     ) -> None:
         """Replay mode: one on-device check of the step, one transfer; replay and act only if it failed."""
         found_inf = self._found_inf(optimizer)
-        grads = [] if found_inf else [g for _, g in self._gradients(optimizer, named=False)]
+        grads = [] if found_inf else _strided_gradients(optimizer)
         # Each rank's own losses would give each rank its own verdict: under DDP the all-reduced gradients decide.
-        losses = [] if trainer.world_size > 1 else [m.loss for m in self._micro_batches if m.loss is not None]
-        if bool(finite_step(grads, losses, found_inf)):  # the one host transfer of a healthy step
+        losses = [] if self._distributed else [m.loss for m in self._micro_batches if m.loss is not None]
+        if finite_step(grads, losses, found_inf):  # the one host transfer of a healthy step
             return
         self._failed(trainer, pl_module, optimizer, step, scaler_skips=bool(found_inf and sum(map(float, found_inf))))
 
@@ -361,11 +375,10 @@ class NonFiniteGuard(HookCallback):
         if found:
             self._act(trainer, finding, optimizer, scaler_skips, step)
 
-    def _gradients(self, optimizer: torch.optim.Optimizer, named: bool = True) -> list[tuple[str, torch.Tensor]]:
-        params = (p for group in optimizer.param_groups for p in group["params"])
+    def _gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
-            (self._param_names.get(id(p), f"<parameter {i}>") if named else "", p.grad)
-            for i, p in enumerate(params)
+            (self._param_names.get(id(p), f"<parameter {i}>"), p.grad)
+            for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
             if p.grad is not None and p.grad.layout == torch.strided
         ]
 
@@ -443,6 +456,17 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
     return ""
 
 
+def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The dense gradients of ``optimizer``'s parameters: what the sentinel reads on every step."""
+    strided = torch.strided
+    return [
+        p.grad
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and p.grad.layout == strided
+    ]
+
+
 def _loss_of(output: Any) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned, as Lightning reads it."""
     if isinstance(output, Mapping):
@@ -457,8 +481,12 @@ def _drop_log(*args: Any, **kwargs: Any) -> None:
 @contextmanager
 def _logging_dropped(pl_module: pl.LightningModule) -> Iterator[None]:
     """Make ``self.log`` and ``self.log_dict`` (which calls it) do nothing, for this module only."""
+    own = pl_module.__dict__.get("log")  # an instance attribute of the user's, if any, comes back
     pl_module.log = _drop_log  # type: ignore[method-assign]
     try:
         yield
     finally:
-        del pl_module.log
+        if own is None:
+            del pl_module.log
+        else:
+            pl_module.log = own  # type: ignore[method-assign]
