@@ -160,6 +160,7 @@ def test_replay_skip_step_keeps_weights_and_optimizer_state_bit_identical(tmp_pa
     snapshots = Snapshots()
     model = ChainNet(Sqrt(), optimizer=optimizer)
     model.x[0, 1] = 0.0
+    before = hook_state(model)
     with pytest.warns(UserWarning, match=r"backward: `layer3` \(Sqrt\)[\s\S]*the optimizer step is skipped"):
         make_trainer(tmp_path, [NonFiniteGuard(action="skip_step"), snapshots], max_steps=3).fit(model)
     params, state = snapshots.start[0]
@@ -167,6 +168,7 @@ def test_replay_skip_step_keeps_weights_and_optimizer_state_bit_identical(tmp_pa
     assert same(state, snapshots.end[0][1])
     assert not same(snapshots.start[1][0], snapshots.end[1][0])
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert hook_state(model) == before
 
 
 class LoggingChain(ChainNet):
@@ -186,6 +188,7 @@ class LoggingChain(ChainNet):
 
 def test_self_log_in_training_step_logs_once_on_a_replayed_step(tmp_path: Path) -> None:
     model = LoggingChain(bad_batches=(2, 5))
+    before = hook_state(model)
     with pytest.warns(UserWarning, match=r"found NaN/Inf values at step 2"):
         make_trainer(tmp_path, [NonFiniteGuard(action="warn")], max_epochs=1, max_steps=-1, log_every_n_steps=1).fit(
             model
@@ -196,6 +199,7 @@ def test_self_log_in_training_step_logs_once_on_a_replayed_step(tmp_path: Path) 
     assert [e.value for e in logged.Scalars("steps_seen")] == [batches]
     losses = logged.Scalars("train_loss")
     assert [e.step for e in losses] == list(range(batches))  # one value a step, replayed or not
+    assert hook_state(model) == before
 
 
 def test_manual_optimization_is_guarded_eagerly_and_says_so_once(tmp_path: Path) -> None:
