@@ -2,6 +2,7 @@
 and on the step that goes bad, the time from detection to report.
 
     .venv/bin/python benchmarks/nonfinite_guard.py [--repeats 5] [--steps 60] [--workloads digits-cnn transformer]
+    .venv/bin/python benchmarks/nonfinite_guard.py --instructions [--workloads digits-cnn resnet]
 
 **Healthy steps.** Four variants at ``check_every_n_steps=1``: no guard, ``NonFiniteGuard()``
 (``mode="replay"``: the sentinel only), ``NonFiniteGuard(mode="eager")`` (hooks on every step)
@@ -17,12 +18,19 @@ saw, the replay of the step with hooks, the report), median over repeats, also a
 a healthy step of the same workload. Also, far less exposed to the machine's load: the CPU time
 (``time.thread_time``) the replay mode's own hooks take per healthy step (the sentinel's read
 included), summed over its four hooks, against the CPU time of a whole step without the guard.
+
+**Instructions** (``--instructions``): no guard, ``NonFiniteGuard()`` and
+``NonFiniteGuard(mode="eager")`` run once each in one process per workload under valgrind's
+callgrind (see ``_callgrind.py``), one intra-op thread, and steps 2 and 3 (each checked at
+``check_every_n_steps=1``) are counted: the ratio to no guard does not depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.overhead import WORKLOADS, StepTimer, Variant, in_fork, quiet, run_once  # noqa: E402
+from benchmarks.overhead import WORKLOADS, StepInstructions, StepTimer, Variant, in_fork, quiet, run_once  # noqa: E402
 from lightning_hooks import NonFiniteError, NonFiniteGuard  # noqa: E402
 
 VARIANTS = [
@@ -134,6 +142,56 @@ def detection_to_report(workload: str, bad_step: int, root: str) -> tuple[float,
     raise RuntimeError("the poisoned step was not reported")
 
 
+COUNTED = (2, 2)  # first step counted, how many
+
+
+def count_child(workload: str, out: str) -> None:
+    """Under callgrind: each variant but ``detect_anomaly`` once, the ``COUNTED`` steps counted."""
+    torch.set_num_threads(1)
+    counts = {}
+    with tempfile.TemporaryDirectory() as root:
+        for variant in VARIANTS[:3]:
+            probe = StepInstructions(*COUNTED)
+            steps = run_once(workload, variant, sum(COUNTED), root, probe)
+            counts[variant.name] = [n for _, n, _ in steps]
+    Path(out).write_text(json.dumps(counts))
+
+
+def count_instructions(workloads: list[str]) -> None:
+    """One callgrind process per workload, side by side."""
+    from benchmarks import _callgrind
+
+    if (why := _callgrind.missing_tools()) is not None:
+        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+    first, count = COUNTED
+    print(
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, callgrind, 1 thread, "
+        f"steps {first}-{first + count - 1} counted"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        out_dir = Path(scratch)
+        library = _callgrind.build_library(out_dir)
+        children = {}
+        for workload in workloads:
+            out, log = out_dir / f"{workload}.json", out_dir / f"{workload}.log"
+            with log.open("w") as stderr:
+                child = subprocess.Popen(
+                    _callgrind.command([sys.executable, __file__, "--count-child", workload, str(out)], out_dir),
+                    env=_callgrind.environment(library, out_dir),
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+            children[workload] = (child, out, log)
+        for workload, (child, out, log) in children.items():
+            if child.wait() != 0:
+                sys.exit(f"{workload}: the counting process failed:\n{log.read_text()[-3000:]}")
+            counts = json.loads(out.read_text())
+            base = statistics.mean(counts["none"])
+            print(f"\n{workload}: {base / 1e6:.2f} M instructions per step without the guard")
+            for name, steps in counts.items():
+                print(f"{name:<18}{statistics.mean(steps) / 1e6:>9.2f} M{statistics.mean(steps) / base:>9.4f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -142,7 +200,17 @@ def main() -> None:
     parser.add_argument("--bad-step", type=int, default=20)
     parser.add_argument("--workloads", nargs="*", default=["digits-cnn", "transformer"], choices=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--count-child", nargs=2, metavar=("WORKLOAD", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.count_child:
+        quiet()
+        count_child(*args.count_child)
+        return
+    if args.instructions:
+        quiet()
+        count_instructions(args.workloads)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet()

@@ -124,9 +124,9 @@ class Finding:
                 lines.append(f"inputs (already non-finite): {_ranges(self.given, 'input')}")
         elif self.phase == "loss" and not self.reproduced:
             lines.append(
-                f"loss: the loss was non-finite ({reading.range()}) but the replay of the step found every module "
-                f"output, the loss and every gradient at a module input finite: it did not reproduce (a "
-                f"non-deterministic kernel, or a batch that `training_step` changes in place?)"
+                f"loss: the loss was non-finite ({reading.range()}) but the replay of the step found every value it "
+                f"measured finite, the loss included: it did not reproduce (a non-deterministic kernel, or a batch "
+                f"that `training_step` changes in place?)"
             )
         elif self.phase == "loss":
             lines.append(

@@ -232,7 +232,7 @@ class InPlaceRepair(ChainNet):
 
 def test_a_step_the_replay_does_not_reproduce_is_reported_as_such(tmp_path: Path) -> None:
     model = InPlaceRepair(Log(), bad_batches=(1,))
-    with pytest.raises(NonFiniteError, match=r"the replay of the step found every module output") as err:
+    with pytest.raises(NonFiniteError, match=r"the replay of the step found every value it measured finite") as err:
         make_trainer(tmp_path, [NonFiniteGuard()]).fit(model)
     finding = err.value.finding
     assert finding is not None
