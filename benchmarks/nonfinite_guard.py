@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -174,14 +173,8 @@ def count_instructions(workloads: list[str]) -> None:
         children = {}
         for workload in workloads:
             out, log = out_dir / f"{workload}.json", out_dir / f"{workload}.log"
-            with log.open("w") as stderr:
-                child = subprocess.Popen(
-                    _callgrind.command([sys.executable, __file__, "--count-child", workload, str(out)], out_dir),
-                    env=_callgrind.environment(library, out_dir),
-                    stdout=subprocess.DEVNULL,
-                    stderr=stderr,
-                )
-            children[workload] = (child, out, log)
+            python = [sys.executable, __file__, "--count-child", workload, str(out)]
+            children[workload] = (_callgrind.start(python, out_dir, library, log), out, log)
         for workload, (child, out, log) in children.items():
             if child.wait() != 0:
                 sys.exit(f"{workload}: the counting process failed:\n{log.read_text()[-3000:]}")
