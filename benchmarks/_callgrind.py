@@ -107,6 +107,17 @@ class InstructionMeter:
         return totals
 
 
+def start(python_args: list[str], out_dir: Path, library: Path, log: Path) -> subprocess.Popen[bytes]:
+    """Start ``python_args`` under callgrind (:func:`command`, :func:`environment`), its stderr to ``log``."""
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            command(python_args, out_dir),
+            env=environment(library, out_dir),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
 def read_total(dump: str) -> int:
     """The instruction total of one callgrind dump (its ``totals:`` line)."""
     for line in dump.splitlines():

@@ -481,14 +481,7 @@ def count_instructions(table: list[Variant], args: argparse.Namespace) -> None:
             out, log = out_dir / f"{workload}.jsonl", out_dir / f"{workload}.log"
             python = [sys.executable, __file__, "--count-child", workload, str(out), "--instructions", str(every)]
             python += ["--only", *args.only] if args.only else []
-            with log.open("w") as stderr:
-                child = subprocess.Popen(
-                    _callgrind.command(python, out_dir),
-                    env=_callgrind.environment(library, out_dir),
-                    stdout=subprocess.DEVNULL,
-                    stderr=stderr,
-                )
-            children[workload] = (child, out, log)
+            children[workload] = (_callgrind.start(python, out_dir, library, log), out, log)
         for workload, (child, out, log) in children.items():
             if child.wait() != 0:
                 sys.exit(f"{workload}: the counting process failed:\n{log.read_text()[-3000:]}")

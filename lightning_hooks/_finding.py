@@ -74,6 +74,13 @@ class Finding:
         shared_with: Other modules whose input is the same tensor; its gradient is the sum of
             theirs, so any of them may have made the value.
         parameters: ``(name, reading)`` of every parameter whose gradient is non-finite.
+        step: The optimizer step (``0`` outside a Trainer).
+        replayed: Whether it was found by replaying the step after a cheap check of its loss and
+            gradients failed (``NonFiniteGuard(mode="replay")``), or by hooks on the step itself.
+        reproduced: ``False`` when the replay found every value finite although the step's loss
+            (``phase="loss"``, ``tensor`` and ``batch_idx`` say which) or gradients were not: a
+            non-deterministic kernel, or a batch that ``training_step`` changes in place.
+        rank: The process that found it, under distributed training (``None`` in a single process).
     """
 
     phase: Phase
@@ -87,6 +94,10 @@ class Finding:
     calls: int = 1
     shared_with: tuple[str, ...] = ()
     parameters: tuple[tuple[str, Reading], ...] = ()
+    step: int = 0
+    replayed: bool = False
+    reproduced: bool = True
+    rank: int | None = None
 
     @property
     def layer(self) -> str:
@@ -111,6 +122,12 @@ class Finding:
                     f"{out} of {who}: {reading.bad()}"
                 )
                 lines.append(f"inputs (already non-finite): {_ranges(self.given, 'input')}")
+        elif self.phase == "loss" and not self.reproduced:
+            lines.append(
+                f"loss: the loss was non-finite ({reading.range()}) but the replay of the step found every value it "
+                f"measured finite, the loss included: it did not reproduce (a non-deterministic kernel, or a batch "
+                f"that `training_step` changes in place?)"
+            )
         elif self.phase == "loss":
             lines.append(
                 f"loss: every selected module's output was finite but the loss is not ({reading.range()}): "
@@ -139,6 +156,8 @@ class Finding:
         where = [f"step {step}"] if step is not None else []
         if self.batch_idx is not None:
             where.append(f"batch {self.batch_idx}")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
         if where:
             lines.append(", ".join(where))
         return lines
@@ -158,6 +177,26 @@ def _ranges(tensors: Sequence[tuple[str, Reading]], what: str) -> str:
 def _names(names: Sequence[str]) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+_PHASES: tuple[Phase, ...] = ("forward", "loss", "backward", "parameter")
+
+
+def first_finding(per_rank: Sequence[Finding | None]) -> Finding | None:
+    """The finding every rank reports, from what each rank found (index = rank): reproduced
+    before not, then by phase (forward, loss, backward, parameter), then the lowest rank; it
+    names its rank when there is more than one.
+
+    Example::
+
+        >>> first_finding([Finding("parameter"), Finding("forward", "fc")]).rank
+        1
+    """
+    found = [((not f.reproduced, _PHASES.index(f.phase), rank), f) for rank, f in enumerate(per_rank) if f is not None]
+    if not found:
+        return None
+    (_, _, rank), finding = min(found, key=lambda item: item[0])
+    return replace(finding, rank=rank) if len(per_rank) > 1 else finding
 
 
 def with_parameters(finding: Finding | None, parameters: tuple[tuple[str, Reading], ...]) -> Finding | None:

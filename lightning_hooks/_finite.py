@@ -169,6 +169,9 @@ class NonFiniteRecorder:
         self.active = False
         self.batch_idx: int | None = None
         self.generation = 0
+        self.keep: list[torch.Tensor] | None = None
+        """While a list (a replay), every tensor whose gradient is watched is also kept here, so
+        that backward can be asked for exactly those gradients; ``None`` otherwise."""
         self.clear()
 
     def clear(self) -> None:
@@ -192,7 +195,7 @@ class NonFiniteRecorder:
         return {"check_backward": self.check_backward, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, active=False, batch_idx=None)
+        self.__dict__.update(state, active=False, batch_idx=None, keep=None)
         self.clear()
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
@@ -220,6 +223,8 @@ class NonFiniteRecorder:
             seen.group = len(self.groups)
             self.groups.append(_GradGroup())
             t.register_hook(_GradProbe(self, seen.group, self.generation))
+            if self.keep is not None:
+                self.keep.append(t)
         self.groups[seen.group].roles.append((call, path, output))
 
     def _record(self, tensors: list[tuple[str, torch.Tensor]], call: int, output: bool) -> None:
@@ -418,6 +423,37 @@ def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tenso
     """
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
+
+
+def finite_step(
+    grads: list[torch.Tensor], losses: Sequence[torch.Tensor] = (), flags: Sequence[torch.Tensor] = ()
+) -> bool:
+    """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
+
+    One fused ``torch._foreach_norm`` (in float32, so that finite half-precision values cannot
+    overflow it) over the gradients and the losses (a 0-d tensor's norm is its absolute value),
+    summed on their device (non-negative numbers: the sum is finite exactly when each is), a set
+    flag adding an Inf; then one host transfer, the only one a healthy step costs. The tensors
+    must share a device, as they do in one Lightning process.
+
+    Example::
+
+        >>> finite_step([torch.ones(3)], [torch.tensor(-0.5)])
+        True
+        >>> finite_step([torch.ones(3)], [torch.tensor(float("nan"))])
+        False
+        >>> finite_step([torch.ones(3)], flags=[torch.tensor([1.0])])
+        False
+    """
+    tensors = [*grads, *(loss.detach() for loss in losses)]
+    if not tensors and not flags:
+        return True
+    total = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum() if tensors else None
+    if flags:
+        found = torch.stack([f.detach().float().sum() for f in flags]).sum()
+        bad = torch.where(found > 0, math.inf, 0.0)
+        total = bad if total is None else total + bad.to(total.device)
+    return math.isfinite(total.item())  # type: ignore[union-attr]
 
 
 def parameter_readings(

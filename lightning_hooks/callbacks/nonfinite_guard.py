@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
 from typing_extensions import override
 
 from lightning_hooks import _validate
-from lightning_hooks._finding import Finding, with_parameters
-from lightning_hooks._finite import NonFiniteRecorder, grad_readings, parameter_readings
+from lightning_hooks._finding import Finding, Reading, first_finding, with_parameters
+from lightning_hooks._finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
+from lightning_hooks._replay import MicroBatch, RngState, replay, training_flags
 from lightning_hooks._shards import local
 from lightning_hooks.callbacks._base import HookCallback, loss_scaler
 
@@ -21,6 +27,8 @@ if TYPE_CHECKING:
 
 Action = Literal["raise", "warn", "skip_step"]
 ACTIONS: tuple[Action, ...] = ("raise", "warn", "skip_step")
+Mode = Literal["replay", "eager"]
+MODES: tuple[Mode, ...] = ("replay", "eager")
 TEXT_TAG = "nonfinite/first_layer"
 SKIPPED_TAG = "nonfinite/skipped_steps"
 
@@ -39,11 +47,37 @@ class NonFiniteError(FloatingPointError):
 class NonFiniteGuard(HookCallback):
     """Name the first layer that made a NaN or an Inf, forward or backward, and stop, warn or skip the step.
 
-    A far cheaper ``torch.autograd.detect_anomaly`` that also watches forward: on a checked
-    optimizer step (every ``check_every_n_steps``-th, from step 0, all micro-batches of it), each
-    selected module gets a forward pre-hook and a forward hook, removed when the step ends unless
-    the next step is checked too (then they stay, switched off between batches, as re-registering
-    them costs more); on steps that are not checked nothing is attached and nothing is computed.
+    A far cheaper ``torch.autograd.detect_anomaly`` that also watches forward, in one of two modes.
+
+    **mode="replay"** (the default): free on healthy steps, exact on the step that goes bad.
+    On each checked optimizer step (every ``check_every_n_steps``-th, from step 0) no hook is
+    attached; a *sentinel* checks the step in ``on_before_optimizer_step`` (after AMP unscaling
+    and after DDP's all-reduce of the gradients): one fused on-device reduction of the parameter
+    gradients (``torch._foreach_norm``) stacked with the losses of the step's micro-batches, read
+    with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
+    All the sentinel keeps meanwhile is a reference to each micro-batch (never a copy), the
+    random-number-generator states (CPU, and the accelerator's) and the train/eval flags each
+    started with. When it fires, before the optimizer has changed anything, the step's
+    micro-batches are *replayed*: ``training_step`` runs again on the same batch objects from
+    the same generator and train/eval states, under the precision plugin's autocast, with the
+    hooks of ``mode="eager"`` attached, and each loss is differentiated with respect to the
+    recorded activations only (``torch.autograd.grad``), so that no parameter's ``.grad``
+    changes and DDP's reducer does not fire. The generators, train/eval flags and buffers
+    (batch-norm running statistics) are put back afterwards, and ``self.log`` calls made by the
+    replayed ``training_step`` are dropped: nothing is logged twice. If the replay finds every
+    value finite although the step's loss was not (a non-deterministic kernel, a batch that
+    ``training_step`` changes in place), the report says so and names what the sentinel saw.
+    Manual optimization, where replaying ``training_step`` would step the optimizer again, a
+    ``training_step(dataloader_iter)``, and distributed strategies other than DDP use
+    ``mode="eager"`` and say so once.
+
+    **mode="eager"**: on a checked step, all micro-batches of it, each selected module gets a
+    forward pre-hook and a forward hook, removed when the step ends unless the next step is
+    checked too (then they stay, switched off between batches, as re-registering them costs
+    more); on steps that are not checked nothing is attached and nothing is computed. It costs
+    every checked step a reading of every activation, and catches what never reaches the loss
+    or the gradients (a NaN in a branch masked out by ``torch.where``), which the replay's
+    sentinel cannot see.
 
     **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
     minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
@@ -89,14 +123,23 @@ class NonFiniteGuard(HookCallback):
           scaler skips those steps itself, so backward and parameter findings are reported only
           when the scaler will take the step. Forward findings are always reported, saying that
           a scaler is active: the forward pass does not depend on the scale (an fp16 overflow in
-          forward makes the scaler skip every step; ``bf16-mixed`` avoids it).
+          forward makes the scaler skip every step; ``bf16-mixed`` avoids it). In replay mode
+          each step the scaler skips is replayed (forward only) to look for such a finding.
         * **In-place ops outside modules** (``out += identity`` in a ``forward``) are seen as
           made by the enclosing module; a module that creates a NaN *in place* in its input is
           seen the same way.
         * **Modules whose outputs are meant to be infinite** (one that builds a ``-inf`` mask)
           are findings: leave them out with ``exclude``.
-        * **DDP**: each rank reports what it saw; ranks agree (one small all-reduce per checked
-          step) on whether to raise or skip, so that they stay in step.
+        * **What a replay runs twice**: Python side effects of ``training_step`` (counters, a
+          ``torchmetrics`` metric updated there) and the hooks of other callbacks recording the
+          same step happen again on the replayed step only.
+        * **DDP**: in replay mode the sentinel reads the all-reduced gradients, so every rank
+          reaches the same verdict without a collective (a loss that is non-finite on one rank
+          only counts through the gradients it makes); each rank replays its own micro-batches,
+          and on a failing step only the ranks agree on the report with one
+          ``all_gather_object``: every rank raises or skips, and the report names the rank. In
+          eager mode ranks agree (one small all-reduce per checked step) on whether to raise or
+          skip.
 
     Args:
         check_every_n_steps: Check every this many optimizer steps, from step 0.
@@ -107,6 +150,8 @@ class NonFiniteGuard(HookCallback):
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
+        mode: ``"replay"``: a sentinel on every checked step, hooks only to replay a step that
+            failed it. ``"eager"``: hooks on every checked step.
 
     Example::
 
@@ -124,17 +169,25 @@ class NonFiniteGuard(HookCallback):
         exclude: list[str] | None = None,
         types: list[str] | None = None,
         max_depth: int | None = None,
+        mode: Mode = "replay",
     ) -> None:
         owner = type(self).__name__
         _validate.positive_int(owner, "check_every_n_steps", check_every_n_steps, allow_none=False)
         _validate.choice(owner, "action", action, ACTIONS)
         _validate.boolean(owner, "check_backward", check_backward)
+        _validate.choice(owner, "mode", mode, MODES)
         super().__init__(
             log_every_n_steps=check_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
         self.check_every_n_steps, self.action, self.check_backward = check_every_n_steps, action, check_backward
+        self.mode = mode
         self.skipped_steps = 0
         self._recorder = NonFiniteRecorder(check_backward)
+        self._eager = mode == "eager"
+        self._micro_batches: list[MicroBatch] = []
+        self._every_module: list[nn.Module] = []
+        self._device = torch.device("cpu")
+        self._distributed = False
         self._skipping = False
         self._warned: set[str] = set()
         self._scaler: torch.amp.GradScaler | None = None
@@ -146,36 +199,59 @@ class NonFiniteGuard(HookCallback):
         self._param_names = {id(p): name for name, p in pl_module.named_parameters()}
         self._warned = set()
         self.skipped_steps = 0
+        self._eager = self.mode == "eager"
+        self._every_module = list(pl_module.modules())
+        self._device, self._distributed = trainer.strategy.root_device, trainer.world_size > 1
+        if not self._eager:
+            why = _cannot_replay(trainer, pl_module)
+            if why:
+                self._eager = True
+                rank_zero_warn(f"`NonFiniteGuard` uses `mode='eager'` (hooks on every checked step): {why}.")
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._disarm()
         self._param_names = {}
+        self._every_module = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Neither the model's modules nor a step's batches travel with a copy of the callback.
+        return {**super().__getstate__(), "_every_module": [], "_micro_batches": []}
 
     def _disarm(self) -> None:
         self.gate.reset()
         self._skipping = False
         self._recorder.active = False
         self._recorder.clear()
+        self._micro_batches = []
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         opening = not self.gate.is_open
-        if self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
-            if opening:
-                self._recorder.clear()
-            self._recorder.batch_idx = batch_idx
-            self._recorder.active = True
-            if not len(self._step_handles):  # still on when the previous step was checked too
-                self._recorder.attach(self._modules, self._step_handles)
+        if not self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
+            return
+        if not self._eager:  # the sentinel: keep what a replay would need, attach nothing
+            start = RngState.capture(self._device), training_flags(self._every_module)
+            self._micro_batches.append(MicroBatch(batch, batch_idx, *start))
+            return
+        if opening:
+            self._recorder.clear()
+        self._recorder.batch_idx = batch_idx
+        self._recorder.active = True
+        if not len(self._step_handles):  # still on when the previous step was checked too
+            self._recorder.attach(self._modules, self._step_handles)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self.gate.is_open:
+        if not self.gate.is_open:
+            return
+        if self._eager:
             self._recorder.record_loss(loss)
+        elif self._micro_batches:
+            self._micro_batches[-1].loss = loss.detach()
 
     @override
     def on_before_optimizer_step(
@@ -186,12 +262,19 @@ class NonFiniteGuard(HookCallback):
         if self._skipping:  # a further optimizer of a step already found bad
             _drop_gradients(optimizer)
             return
-        self._check(trainer, optimizer, self.gate.step)
+        if self._eager:
+            self._check(trainer, optimizer, self.gate.step)
+        else:
+            self._sentinel(trainer, pl_module, optimizer, self.gate.step)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._eager:
+            if self.gate.end(trainer.global_step) is not None:  # the step is over: let its batches go
+                self._micro_batches, self._skipping = [], False
+            return
         self._recorder.active = False  # what runs until the next batch (validation) is not recorded
         # The checked step is over once the optimizer stepped (after every batch in manual optimization).
         step = self.gate.end(trainer.global_step, force=not pl_module.automatic_optimization)
@@ -203,8 +286,77 @@ class NonFiniteGuard(HookCallback):
             # Re-registering the hooks for the very next step would cost more than keeping them.
             self._step_handles.remove()
 
+    def _sentinel(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, step: int
+    ) -> None:
+        """Replay mode: one on-device check of the step, one transfer; replay and act only if it failed."""
+        found_inf = self._found_inf(optimizer)
+        grads = [] if found_inf else _strided_gradients(optimizer)
+        # Each rank's own losses would give each rank its own verdict: under DDP the all-reduced gradients decide.
+        losses = [] if self._distributed else [m.loss for m in self._micro_batches if m.loss is not None]
+        if finite_step(grads, losses, found_inf):  # the one host transfer of a healthy step
+            return
+        self._failed(trainer, pl_module, optimizer, step, scaler_skips=bool(found_inf and sum(map(float, found_inf))))
+
+    def _failed(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        scaler_skips: bool,
+    ) -> None:
+        """The sentinel fired: read what it saw, replay the step, agree across ranks, act."""
+        named = self._gradients(optimizer) if self.check_backward else []
+        losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
+        seen = [*(n.float() for n in grad_readings(named)), *(loss.float() for _, loss in losses)]
+        values = torch.stack(seen).tolist() if seen else []  # a second transfer, on a failing step only
+        parameters = parameter_readings(named, values[: len(named)])
+        bad_losses = [(i, v) for (i, _), v in zip(losses, values[len(named) :], strict=True) if not math.isfinite(v)]
+        replayed = self._replay(trainer, pl_module, backward=self.check_backward and not scaler_skips)
+        if replayed is None and bad_losses:
+            batch_idx, value = bad_losses[0]
+            replayed = Finding("loss", tensor=("", Reading(value, value, 1, 1)), batch_idx=batch_idx, reproduced=False)
+        if scaler_skips:  # the scaler's own business, unless forward values were bad
+            local = replayed if replayed is not None and replayed.phase in ("forward", "loss") else None
+        else:
+            local = with_parameters(replayed, parameters)
+        if local is not None:
+            local = replace(local, step=step, replayed=True)
+        finding = self._agree(trainer, local)
+        if finding is not None:
+            self._act(trainer, finding, optimizer, scaler_skips, step)
+
+    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, backward: bool) -> Finding | None:
+        training_step = pl_module.training_step  # the LightningModule's own: DDP's wrapper is not called
+        takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
+
+        def run(micro: MicroBatch) -> torch.Tensor | None:
+            args = (micro.batch, micro.batch_idx) if takes_batch_idx else (micro.batch,)
+            return _loss_of(training_step(*args))
+
+        with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context():
+            return replay(
+                pl_module, self._modules, self._micro_batches, run, trainer.strategy.root_device, backward=backward
+            )
+
+    def _agree(self, trainer: pl.Trainer, local: Finding | None) -> Finding | None:
+        """Every rank's finding, agreed with one ``all_gather_object`` (called by every rank at once)."""
+        if trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return local
+        gathered: list[Finding | None] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, local)
+        return first_finding(gathered)
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The ``found_inf`` flags the GradScaler computed when it unscaled ``optimizer``'s gradients."""
+        if self._scaler is None:
+            return []
+        state = self._scaler._per_optimizer_states.get(id(optimizer), {})
+        return list(state.get("found_inf_per_device", {}).values())
+
     def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None, step: int) -> None:
-        """Read the step (one transfer), decide, and act on what was found."""
+        """Eager mode: read the step (one transfer), decide, and act on what was found."""
         grads = self._gradients(optimizer) if self.check_backward and optimizer is not None else []
         finding, norms = self._recorder.find(grad_readings(grads))
         self._recorder.clear()
@@ -214,9 +366,13 @@ class NonFiniteGuard(HookCallback):
             finding = finding if finding is not None and finding.phase in ("forward", "loss") else None
         else:
             finding = with_parameters(finding, parameters)
+        if finding is not None:
+            finding = replace(finding, step=step)
         found = finding is not None
         if trainer.world_size > 1 and self.action != "warn":
             found = trainer.strategy.reduce_boolean_decision(found, all=False)
+            if found:  # every rank knows: they can agree on the report
+                finding = self._agree(trainer, finding)
         if found:
             self._act(trainer, finding, optimizer, scaler_skips, step)
 
@@ -282,3 +438,56 @@ def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
+
+
+def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+    """Why this fit cannot be replayed (empty if it can)."""
+    if not pl_module.automatic_optimization:
+        return "with manual optimization, replaying `training_step` would step the optimizer again"
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        return "a `training_step(dataloader_iter)` takes its own batches, which cannot be replayed"
+    strategy = trainer.strategy
+    if trainer.world_size > 1 and not (
+        isinstance(strategy, DDPStrategy) and getattr(strategy, "strategy_name", "ddp") not in ("deepspeed", "xla")
+    ):
+        return (
+            f"under `{type(strategy).__name__}` the ranks' gradients are not all-reduced copies, so they would not "
+            f"agree on a step's verdict without a collective"
+        )
+    return ""
+
+
+def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The dense gradients of ``optimizer``'s parameters: what the sentinel reads on every step."""
+    strided = torch.strided
+    return [
+        p.grad
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None and p.grad.layout == strided
+    ]
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned, as Lightning reads it."""
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    return output if isinstance(output, torch.Tensor) else None
+
+
+def _drop_log(*args: Any, **kwargs: Any) -> None:
+    """``LightningModule.log`` during a replay: the step already logged its values once."""
+
+
+@contextmanager
+def _logging_dropped(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Make ``self.log`` and ``self.log_dict`` (which calls it) do nothing, for this module only."""
+    own = pl_module.__dict__.get("log")  # an instance attribute of the user's, if any, comes back
+    pl_module.log = _drop_log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del pl_module.log
+        else:
+            pl_module.log = own  # type: ignore[method-assign]
