@@ -108,26 +108,43 @@ class ParamGradRecorder:
     ) -> None:
         """Read the gradients of ``params`` that ``optimizer`` will use; its update-ratio hook goes into ``handles``."""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        read: list[tuple[str, nn.Parameter]] = []
+        grads: list[torch.Tensor] = []
         for name, param in params:
             if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
                 continue
             self._read.add(id(param))
-            self.batch.add(("param", name), param.grad, self.histograms)
-            if self.update_ratio:
-                before[name] = (param, param.detach().clone())
-        if before:
+            read.append((name, param))
+            grads.append(param.grad)
+        if not read:
+            return
+        self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
+        if self.update_ratio:
+            with torch.no_grad():
+                copies = torch._foreach_clone([param for _, param in read])
+            before = [(name, param, old) for (name, param), old in zip(read, copies, strict=True)]
             handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
 
 
 class _UpdateRatio:
-    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given."""
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    def __init__(self, batch: StatBatch, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
+    Fused over all of them: one ``torch._foreach_norm`` of the differences and one of the old values
+    per device and dtype, whatever the number of parameters.
+    """
+
+    def __init__(self, batch: StatBatch, before: list[tuple[str, nn.Parameter, torch.Tensor]]) -> None:
         self.batch, self.before = batch, before
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
-        for name, (param, old) in before.items():
-            ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
-            self.batch.add_scalar(("ratio", name), ratio)
+        before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, nn.Parameter, torch.Tensor]]] = {}
+        for entry in before:
+            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
+        for entries in groups.values():
+            olds = [old for _, _, old in entries]
+            with torch.no_grad():
+                moved = torch._foreach_sub([param for _, param, _ in entries], olds)
+            change = torch.stack(torch._foreach_norm(moved, 2, dtype=torch.float64))
+            scale = torch.stack(torch._foreach_norm(olds, 2, dtype=torch.float64)).clamp_min(1e-12)
+            self.batch.add_scalars([("ratio", name) for name, _, _ in entries], change / scale)

@@ -8,6 +8,9 @@ processes of a DDP run (and the shards of a parameter) all pool through :func:`p
 :meth:`StatBatch.fetch` with exactly those two reductions.
 
 What a call pays is :func:`observe`: a handful of cheap reductions of the tensor on its device.
+Tensors that are all at hand at once (every parameter's gradient) go through :func:`observe_many`
+instead: fused multi-tensor kernels per device and dtype, so that their number does not grow with
+the number of tensors.
 Observations are turned into states, pooled per key and, where asked, across processes at the end
 of the step, in a few vectorised kernels whatever the number of keys; the pooled states, the
 histograms and any extra scalars then cross to the host in one copy.
@@ -95,6 +98,69 @@ def observe(t: torch.Tensor) -> Observation:
     return Observation(n, raw)
 
 
+FUSED_CHUNK = 1 << 24
+""":func:`observe_many` reduces at most this many elements per fused call (bounds its one temporary)."""
+
+
+def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
+    """What :func:`observe` gives for each of ``tensors``, in a number of kernels that does not grow with their count.
+
+    Tensors are grouped by device and dtype and reduced with torch's fused multi-tensor ops
+    (``torch._foreach_norm`` of orders 0 and inf, ``torch._foreach_powsum`` of orders 1 and 2,
+    accumulated in float64), a group at a time in chunks of at most :data:`FUSED_CHUNK` elements;
+    the count of kernels grows with the bytes reduced, not with the number of tensors. Each chunk
+    makes one temporary of its own size. Every statistic is that of :func:`observe`; the spread is
+    taken from float64 sums of exact squares rather than in two passes, which keeps at least the
+    precision of :func:`observe`'s float32 passes for float32 and narrower tensors.
+    """
+    found: list[Observation] = [Observation(0, None)] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for indices in groups.values():
+        for chunk in _chunks(indices, tensors):
+            xs = [tensors[i].detach() if tensors[i].requires_grad else tensors[i] for i in chunk]
+            rows = _fused_raw(xs).unbind(0)
+            for i, raw in zip(chunk, rows, strict=True):
+                found[i] = Observation(tensors[i].numel(), raw)
+    return found
+
+
+def _chunks(indices: list[int], tensors: Sequence[torch.Tensor]) -> Iterable[list[int]]:
+    chunk: list[int] = []
+    size = 0
+    for i in indices:
+        n = tensors[i].numel()
+        if chunk and size + n > FUSED_CHUNK:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
+        size += n
+    if chunk:
+        yield chunk
+
+
+def _fused_raw(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``(len(xs), 6)`` rows in :class:`Observation`'s ``raw`` layout for non-empty tensors of one device and dtype."""
+    f64 = torch.float64
+    count = torch.tensor([float(x.numel()) for x in xs], dtype=f64, device=xs[0].device)
+    abs_sum = torch.stack(torch._foreach_powsum(xs, 1, dtype=f64))
+    sum_sq = torch.stack(torch._foreach_powsum(xs, 2, dtype=f64))
+    abs_max = torch.stack(torch._foreach_norm(xs, math.inf, dtype=f64))
+    nonzero = torch.stack(torch._foreach_norm(xs, 0, dtype=f64))
+    # One temporary: min(x, 0) gives the negative part's magnitude (so the signed sum), then
+    # min(x, 0) - x = -max(x, 0) is non-finite exactly where x is, and times 0 NaN exactly there.
+    part = torch._foreach_clamp_max(xs, 0.0)
+    total = abs_sum - 2 * torch.stack(torch._foreach_powsum(part, 1, dtype=f64))
+    torch._foreach_sub_(part, xs)
+    torch._foreach_mul_(part, 0.0)
+    nonfinite = torch.stack(torch._foreach_norm(part, 0, dtype=f64))
+    mean = total / count
+    spread = torch.sqrt(torch.clamp(sum_sq - total * mean, min=0.0))  # NaN and inf stay what they are
+    return torch.stack([mean, spread, abs_max, abs_sum, nonzero, nonfinite], dim=1)
+
+
 def state(t: torch.Tensor) -> State:
     """The state of one tensor, on the host (one transfer; for one-off use and tests).
 
@@ -109,7 +175,9 @@ def state(t: torch.Tensor) -> State:
 def states(observations: Sequence[Observation], device: torch.device) -> torch.Tensor:
     """The ``(len(observations), WIDTH)`` float64 states of ``observations``, on ``device``, in a few kernels."""
     empty = torch.zeros(6, dtype=torch.float64, device=device)
-    raw = torch.stack([empty if o.raw is None else o.raw.to(device) for o in observations])
+    raw = torch.stack(
+        [empty if o.raw is None else o.raw if o.raw.device == device else o.raw.to(device) for o in observations]
+    )
     count = torch.tensor([float(o.numel) for o in observations], dtype=torch.float64, device=device)
     mean, spread, abs_max, abs_sum, nonzero, nonfinite = raw.unbind(1)
     total = mean * count
@@ -267,9 +335,23 @@ class StatBatch:
             if histogram:
                 self.samples.setdefault(key, []).append(sample(t))
 
+    def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
+        """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
+        if self.open:
+            for key, observation in zip(keys, observe_many(tensors), strict=True):
+                self.observations.setdefault(key, []).append(observation)
+            if histogram:
+                for key, t in zip(keys, tensors, strict=True):
+                    self.samples.setdefault(key, []).append(sample(t))
+
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
         if self.open:
             self.extra[key] = value.detach().double().reshape(1)
+
+    def add_scalars(self, keys: Sequence[Key], values: torch.Tensor) -> None:
+        """:meth:`add_scalar` for each key, from one vector of values."""
+        if self.open:
+            self.extra.update(zip(keys, values.detach().double().reshape(-1, 1).unbind(0), strict=True))
 
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
@@ -295,7 +377,8 @@ class StatBatch:
             parts.append(table)
         hist_keys = list(samples)
         parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
-        parts.extend(v.to(device) for v in extra.values())
+        if extra:  # one part, not one per scalar: the update ratios are one per parameter
+            parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
         if not parts:
             return Fetched({}, {}, {})
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
