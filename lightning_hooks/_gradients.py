@@ -11,8 +11,7 @@ from torch import nn
 from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
-from lightning_hooks._select import output_label
-from lightning_hooks._stats import StatBatch
+from lightning_hooks._stats import Key, OutputKeys, StatBatch, flatten, fused_chunks, segment_sum
 
 
 class OutputGradRecorder:
@@ -41,6 +40,7 @@ class OutputGradRecorder:
     ) -> None:
         self.batch, self.scaler = batch, scaler
         self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("out")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
@@ -59,16 +59,16 @@ class _OutputGradHook:
             return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                tensor.register_hook(_GradReader(self.recorder, output_label(self.name, path)))
+                tensor.register_hook(_GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
 
 
 class _GradReader:
-    def __init__(self, recorder: OutputGradRecorder, key: str) -> None:
+    def __init__(self, recorder: OutputGradRecorder, key: Key) -> None:
         self.recorder, self.key = recorder, key
 
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
-        self.recorder.batch.add(("out", self.key), grad if scale is None else grad.float() / scale)
+        self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
 
 
 class ParamGradRecorder:
@@ -120,31 +120,32 @@ class ParamGradRecorder:
             return
         self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
         if self.update_ratio:
-            with torch.no_grad():
-                copies = torch._foreach_clone([param for _, param in read])
-            before = [(name, param, old) for (name, param), old in zip(read, copies, strict=True)]
-            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
+            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read)))
 
 
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    Fused over all of them: one ``torch._foreach_norm`` of the differences and one of the old values
-    per device and dtype, whatever the number of parameters.
+    The parameters are copied end to end into one buffer per device and dtype (see
+    :func:`~lightning_hooks._stats.fused_chunks`), and the norms are segment reductions of those
+    buffers: a fixed number of operators whatever the number of parameters.
     """
 
-    def __init__(self, batch: StatBatch, before: list[tuple[str, nn.Parameter, torch.Tensor]]) -> None:
-        self.batch, self.before = batch, before
+    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]]) -> None:
+        self.batch = batch
+        tensors = [param for _, param in params]
+        self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
+        with torch.no_grad():
+            for chunk in fused_chunks(tensors):
+                values, _ = flatten([tensors[i] for i in chunk])
+                self.before.append(([params[i] for i in chunk], values.clone() if len(chunk) == 1 else values))
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, nn.Parameter, torch.Tensor]]] = {}
-        for entry in before:
-            groups.setdefault((entry[2].device, entry[2].dtype), []).append(entry)
-        for entries in groups.values():
-            olds = [old for _, _, old in entries]
+        f64 = torch.float64
+        for params, old in before:
             with torch.no_grad():
-                moved = torch._foreach_sub([param for _, param, _ in entries], olds)
-            change = torch.stack(torch._foreach_norm(moved, 2, dtype=torch.float64))
-            scale = torch.stack(torch._foreach_norm(olds, 2, dtype=torch.float64)).clamp_min(1e-12)
-            self.batch.add_scalars([("ratio", name) for name, _, _ in entries], change / scale)
+                new, lengths = flatten([param for _, param in params])
+                change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
+                scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
+            self.batch.add_scalars([("ratio", name) for name, _ in params], change / scale)
