@@ -68,7 +68,8 @@ class _GradReader:
 
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
-        self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
+        # Held and reduced with the others (autograd does not change a gradient it handed to a hook).
+        self.recorder.batch.hold(self.key, grad if scale is None else grad.float() / scale)
 
 
 class ParamGradRecorder:
