@@ -68,8 +68,7 @@ class _GradReader:
 
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
-        # Held and reduced with the others (autograd does not change a gradient it handed to a hook).
-        self.recorder.batch.hold(self.key, grad if scale is None else grad.float() / scale)
+        self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
 
 
 class ParamGradRecorder:

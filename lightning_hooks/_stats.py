@@ -52,9 +52,6 @@ class OutputKeys:
         return found
 
 
-HOLD_BYTES = 1 << 26
-""":meth:`StatBatch.hold` reduces the tensors it holds once they take more than this (64 MiB)."""
-
 HIST_SAMPLE = 1 << 16
 """Histograms count at most this many elements of each call's tensor (an even stride through it)."""
 
@@ -363,12 +360,9 @@ class StatBatch:
     observations: dict[Key, list[Observation]] = field(default_factory=dict)
     samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
-    held: list[tuple[Key, torch.Tensor]] = field(default_factory=list)
-    """Tensors :meth:`hold` keeps until they are reduced together (at most :data:`HOLD_BYTES` of them)."""
-    held_bytes: int = 0
 
     def __len__(self) -> int:
-        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.held)
+        return len(self.observations) + len(self.samples) + len(self.extra)
 
     def start(self) -> None:
         self.clear()
@@ -376,7 +370,6 @@ class StatBatch:
 
     def clear(self) -> None:
         self.observations, self.samples, self.extra = {}, {}, {}
-        self.held, self.held_bytes = [], 0
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -395,26 +388,6 @@ class StatBatch:
                 for key, t in zip(keys, tensors, strict=True):
                     self.samples.setdefault(key, []).append(sample(t))
 
-    def hold(self, key: Key, t: torch.Tensor) -> None:
-        """:meth:`add` ``t`` later, with the other held tensors, in fused kernels (:func:`observe_many`).
-
-        Only for tensors nothing changes in place afterwards, such as the gradients autograd hands
-        to a tensor hook (it accumulates in place only into buffers nobody else holds). Once more
-        than :data:`HOLD_BYTES` are held they are reduced at once, so holding costs at most that
-        much memory and the number of kernels grows with the bytes, not with the count of tensors.
-        """
-        if self.open:
-            self.held.append((key, t.detach()))
-            self.held_bytes += t.numel() * t.element_size()
-            if self.held_bytes > HOLD_BYTES:
-                self.reduce_held()
-
-    def reduce_held(self) -> None:
-        """Reduce what :meth:`hold` keeps now, and let the tensors go."""
-        held, self.held, self.held_bytes = self.held, [], 0
-        if held:
-            self.add_many([key for key, _ in held], [t for _, t in held])
-
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
         if self.open:
             self.extra[key] = value.detach().double().reshape(1)
@@ -426,7 +399,6 @@ class StatBatch:
 
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
-        self.reduce_held()
         observations, samples, extra = self.observations, self.samples, self.extra
         self.clear()  # closes the batch too
         device = next(
