@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
-from lightning_hooks._stats import Key, OutputKeys, StatBatch, flatten, fused_chunks, segment_sum
+from lightning_hooks._stats import FUSED_MAX, Key, OutputKeys, StatBatch, flatten, fused_chunks, segment_sum
 
 
 class OutputGradRecorder:
@@ -126,9 +126,9 @@ class ParamGradRecorder:
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    The parameters are copied end to end into one buffer per device and dtype (see
-    :func:`~lightning_hooks._stats.fused_chunks`), and the norms are segment reductions of those
-    buffers: a fixed number of operators whatever the number of parameters.
+    Small parameters are copied end to end into one buffer per device and dtype (see
+    :func:`~lightning_hooks._stats.fused_chunks`) and their norms are segment reductions of those
+    buffers, a fixed number of operators however many there are; larger ones one by one.
     """
 
     def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]]) -> None:
@@ -139,9 +139,11 @@ class _UpdateRatio:
             for chunk in fused_chunks(tensors):
                 values, _ = flatten([tensors[i] for i in chunk])
                 self.before.append(([params[i] for i in chunk], values.clone() if len(chunk) == 1 else values))
+            self.large = [(name, p, p.clone()) for name, p in params if p.numel() > FUSED_MAX]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
+        large, self.large = self.large, []
         f64 = torch.float64
         for params, old in before:
             with torch.no_grad():
@@ -149,3 +151,9 @@ class _UpdateRatio:
                 change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
                 scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
             self.batch.add_scalars([("ratio", name) for name, _ in params], change / scale)
+        for name, param, old_value in large:
+            with torch.no_grad():
+                ratio = torch.linalg.vector_norm(param - old_value) / torch.linalg.vector_norm(old_value).clamp_min(
+                    1e-12
+                )
+            self.batch.add_scalar(("ratio", name), ratio)
