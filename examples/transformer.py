@@ -35,7 +35,20 @@ class TokenDataModule(pl.LightningDataModule):
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
 
-class TinyTransformerLM(pl.LightningModule):
+class TokenLM(pl.LightningModule):
+    """Next-token cross-entropy on :class:`TokenDataModule` batches, AdamW at ``hparams.lr``."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class TinyTransformerLM(TokenLM):
     """Embedding, a two-layer ``nn.TransformerEncoder`` with a causal mask, and a linear head.
 
     Args:
@@ -57,12 +70,3 @@ class TinyTransformerLM(pl.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

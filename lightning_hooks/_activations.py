@@ -10,8 +10,7 @@ from torch import nn
 from lightning_hooks._autograd import in_backward
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
-from lightning_hooks._select import output_label
-from lightning_hooks._stats import StatBatch
+from lightning_hooks._stats import OutputKeys, StatBatch
 
 
 class ActivationRecorder:
@@ -39,6 +38,7 @@ class ActivationRecorder:
     def __init__(self, batch: StatBatch, histograms: bool = False, fired: set[str] | None = None) -> None:
         self.batch, self.histograms = batch, histograms
         self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("act")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
@@ -56,4 +56,4 @@ class _ActivationHook:
         recorder.fired.add(self.name)
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
-                recorder.batch.add(("act", output_label(self.name, path)), tensor, recorder.histograms)
+                recorder.batch.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)

@@ -12,9 +12,8 @@ from torch import nn
 from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
-from lightning_hooks._select import output_label
 from lightning_hooks._shards import counted_part, is_sharded
-from lightning_hooks._stats import StatBatch, State
+from lightning_hooks._stats import FUSED_MAX, Key, OutputKeys, StatBatch, State, flatten, fused_chunks, segment_sum
 
 
 class OutputGradRecorder:
@@ -43,6 +42,7 @@ class OutputGradRecorder:
     ) -> None:
         self.batch, self.scaler = batch, scaler
         self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("out")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
@@ -61,16 +61,16 @@ class _OutputGradHook:
             return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                tensor.register_hook(_GradReader(self.recorder, output_label(self.name, path)))
+                tensor.register_hook(_GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
 
 
 class _GradReader:
-    def __init__(self, recorder: OutputGradRecorder, key: str) -> None:
+    def __init__(self, recorder: OutputGradRecorder, key: Key) -> None:
         self.recorder, self.key = recorder, key
 
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
-        self.recorder.batch.add(("out", self.key), grad if scale is None else grad.float() / scale)
+        self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
 
 
 class ParamGradRecorder:
@@ -116,32 +116,61 @@ class ParamGradRecorder:
     ) -> None:
         """Read the gradients of ``params`` that ``optimizer`` will use; its update-ratio hook goes into ``handles``."""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        before: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+        read: list[tuple[str, nn.Parameter]] = []
+        grads: list[torch.Tensor] = []
         for name, param in params:
             if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
                 continue
             self._read.add(id(param))
-            self.batch.add(("param", name), counted_part(param.grad), self.histograms)
-            if self.update_ratio:
-                before[name] = (param, counted_part(param).detach().clone())
-        if before:
-            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, before)))
+            read.append((name, param))
+            grads.append(counted_part(param.grad))
+        if not read:
+            return
+        self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
+        if self.update_ratio:
+            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read)))
 
 
 class _UpdateRatio:
-    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given."""
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    def __init__(self, batch: StatBatch, before: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> None:
-        self.batch, self.before = batch, before
+    Small parameters are copied end to end into one buffer per device and dtype (see
+    :func:`~lightning_hooks._stats.fused_chunks`) and their norms are segment reductions of those
+    buffers, a fixed number of operators however many there are; larger ones one by one.
+    """
+
+    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]]) -> None:
+        self.batch = batch
+        # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
+        self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
+        params = [(name, p) for name, p in params if not is_sharded(p)]
+        tensors = [param for _, param in params]
+        self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
+        with torch.no_grad():
+            for chunk in fused_chunks(tensors):
+                values, _ = flatten([tensors[i] for i in chunk])
+                self.before.append(([params[i] for i in chunk], values.clone() if len(chunk) == 1 else values))
+            self.large = [(name, p, p.clone()) for name, p in params if p.numel() > FUSED_MAX]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before, self.before = self.before, {}  # the copies are freed as soon as the ratios are taken
-        for name, (param, old) in before.items():
-            if is_sharded(param):  # a shard's part of the norms: pooled across processes at the fetch
-                self.batch.add(("update", name), counted_part(param).detach() - old)
-                self.batch.add(("weight", name), old)
-                continue
-            ratio = torch.linalg.vector_norm(param.detach() - old) / torch.linalg.vector_norm(old).clamp_min(1e-12)
+        before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
+        large, self.large = self.large, []
+        sharded, self.sharded = self.sharded, []
+        f64 = torch.float64
+        for params, old in before:
+            with torch.no_grad():
+                new, lengths = flatten([param for _, param in params])
+                change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
+                scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
+            self.batch.add_scalars([("ratio", name) for name, _ in params], change / scale)
+        for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
+            self.batch.add(("update", name), counted_part(param).detach() - old)
+            self.batch.add(("weight", name), old)
+        for name, param, old_value in large:
+            with torch.no_grad():
+                ratio = torch.linalg.vector_norm(param - old_value) / torch.linalg.vector_norm(old_value).clamp_min(
+                    1e-12
+                )
             self.batch.add_scalar(("ratio", name), ratio)
 
 

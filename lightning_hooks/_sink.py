@@ -29,6 +29,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.summary import text as text_summary
 
+from lightning_hooks._events import checksum_in_c
 from lightning_hooks._layout import build_layout
 from lightning_hooks._stats import Histogram
 from lightning_hooks._tables import Cell, Table
@@ -127,7 +128,14 @@ class TensorBoardBackend(Backend):
         self.layout_tags: dict[str, None] = {}
         """Every scalar tag a sink has put in this run's custom-scalars layout, in logging order."""
 
+    @staticmethod
+    def checksum_in_c(logger: TensorBoardLogger) -> None:
+        """Records of the logger's event file get their CRCs from C: the same bytes, see :mod:`._events`."""
+        if hasattr(logger.experiment, "_get_file_writer"):
+            checksum_in_c(logger.experiment._get_file_writer())
+
     def write(self, logger: TensorBoardLogger, data: StepData) -> None:
+        self.checksum_in_c(logger)
         if data.scalars and _writes_events(logger):
             # What `log_metrics` writes, prefix included, as one summary of many values: Lightning's
             # writes one event per scalar, about 20 µs each, and a step can have a hundred or more.
@@ -171,6 +179,7 @@ class TensorBoardBackend(Backend):
             return
         self.layout_tags.update(dict.fromkeys(tags))
         layout = build_layout(self.layout_tags)
+        self.checksum_in_c(logger)
         writer = logger.experiment
         if layout and hasattr(writer, "_get_file_writer"):
             writer._get_file_writer().add_summary(custom_scalars(layout), step)

@@ -42,6 +42,11 @@ def test_log_every_n_steps_must_be_positive(cls: type, every: object) -> None:
         ({"types": "Linear"}, TypeError, r"`ShapeLogger` got `types='Linear'`; `types` must be a list of strings"),
         ({"include": [3]}, TypeError, r"`ShapeLogger` got `include=\[3\]`"),
         ({"max_depth": -1}, ValueError, r"`ShapeLogger` got `max_depth=-1`; `max_depth` must be an integer >= 0"),
+        (
+            {"collapse_repeats": "yes"},
+            TypeError,
+            r"`ShapeLogger` got `collapse_repeats='yes'`; `collapse_repeats` must be True or False",
+        ),
     ],
 )
 def test_selection_arguments(kwargs: dict, error: type[Exception], match: str) -> None:

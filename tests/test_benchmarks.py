@@ -67,3 +67,13 @@ def test_a_tiny_timed_run_prints_a_table_with_every_variant_asked_for() -> None:
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| lightning @2", "| GradClamp @2", "| lightning @2, again"]
     assert "ms per step in Lightning without callbacks" in out
+
+
+def test_the_logging_step_split_prints_every_part() -> None:
+    out = output_of(
+        [sys.executable, "benchmarks/logging_step.py", "--workload", "digits-cnn", "--repeats", "1"]
+        + ["--steps", "8", "--every", "2"]
+    )
+    [row] = [line for line in out.splitlines() if line.startswith("| this checkout |")]
+    assert len(row.split(" | ")) == 7
+    assert "reduction kernels | host work per key | event writing | writer thread" in out

@@ -8,7 +8,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from examples.encoder import EncoderLM
 from examples.numnet import NumDataModule, NumNet
+from examples.transformer import TokenDataModule
 from lightning_hooks import ShapeLogger
 from tests.helpers import make_trainer
 from tests.zoo import ResNetish
@@ -22,15 +24,19 @@ def printed_table(tmp_path: Path, model: pl.LightningModule, capsys: pytest.Capt
     return out[out.index("ShapeLogger:") :]
 
 
-@pytest.mark.parametrize("name", ["numnet", "resnetish"])
+@pytest.mark.parametrize("name", ["numnet", "resnetish", "encoder24"])
 def test_printed_table_matches_golden(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], update_golden: bool, name: str
 ) -> None:
     torch.manual_seed(0)
     if name == "numnet":
         table = printed_table(tmp_path, NumNet(), capsys, datamodule=NumDataModule())
-    else:
+    elif name == "resnetish":
         table = printed_table(tmp_path, ResNetish(), capsys)
+    else:  # 24 identical layers, collapsed into one block: the table fits on a screen
+        datamodule = TokenDataModule(seq_len=16, n=16, batch_size=8)
+        table = printed_table(tmp_path, EncoderLM(layers=24), capsys, datamodule=datamodule)
+        assert len(table.splitlines()) <= 60
     golden = GOLDEN / f"{name}.txt"
     if update_golden:
         golden.parent.mkdir(exist_ok=True)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import GradStats
+from lightning_hooks._stats import derive, state
 from tests.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars
 from tests.zoo import ResNetish
 
@@ -142,3 +143,36 @@ def test_no_logger_warns_once_and_attaches_nothing(tmp_path: Path) -> None:
 def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         GradStats(**kwargs)
+
+
+class MixedDtypeNet(TinyNet):
+    """float32 and bfloat16 parameters, and a frozen layer: the fused reductions see two groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc2.bfloat16()
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        h = self.act(self.fc2(h.bfloat16())).float()
+        return self.head(self.frozen(h))
+
+
+def test_mixed_dtype_statistics_equal_the_per_tensor_path(tmp_path: Path) -> None:
+    capture = Capture()
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1), capture], max_steps=2).fit(MixedDtypeNet())
+    logged = events(tmp_path).Tags()["scalars"]
+    assert {t.split("/", 1)[1] for t in logged if t.startswith("grad_norm/")} == {
+        "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "head.bias"
+    }  # fmt: skip
+    assert capture.grads[0]["fc2.weight"].dtype == torch.bfloat16
+    for step in (0, 1):
+        for name, grad in capture.grads[step].items():
+            for stat, value in derive(state(grad)).items():  # the per-tensor path
+                got = scalars(tmp_path, f"grad_{stat}/{name}")[step]
+                assert got == pytest.approx(value, rel=1e-5, abs=1e-7), (step, name, stat)
+            before, after = capture.before[step][name], capture.after[step][name]
+            ratio = torch.linalg.vector_norm((after - before).double()) / torch.linalg.vector_norm(before.double())
+            assert scalars(tmp_path, f"update_ratio/{name}")[step] == pytest.approx(float(ratio), rel=1e-4)

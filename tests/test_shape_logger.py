@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hooks import ShapeLogger, trace_shapes
-from lightning_hooks._shapes import format_markdown
+from lightning_hooks._shapes import format_markdown, format_table
 from tests.helpers import TinyNet, make_trainer, texts
 
 
@@ -95,3 +95,105 @@ def test_selection_arguments_reach_the_table(tmp_path: Path) -> None:
     make_trainer(tmp_path, [ShapeLogger(types=["Linear"], exclude=["fc2"])], max_steps=1).fit(TinyNet())
     table = texts(tmp_path, "shapes/train")[0]
     assert [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[4:]] == ["fc1", "head"]
+
+
+class Tapped(nn.Module):
+    """Linear, then a tap that sees the output (twice as wide when ``wide``), then ReLU."""
+
+    def __init__(self, wide: bool = False) -> None:
+        super().__init__()
+        self.fc, self.tap, self.act, self.wide = nn.Linear(4, 4), nn.Identity(), nn.ReLU(), wide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        self.tap(torch.cat([y, y], dim=-1) if self.wide else y)
+        return self.act(y)
+
+
+class Stack(TinyNet):
+    """Seven blocks; block 3 differs from the others in one shape only (its tap's output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Tapped(wide=i == 3) for i in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+def layer_column(table: str) -> list[str]:
+    return [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[4:]]
+
+
+def test_identical_blocks_collapse_but_not_one_that_differs_in_one_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_trainer(tmp_path, [ShapeLogger()], max_steps=1).fit(Stack())
+    table = texts(tmp_path, "shapes/train")[0]
+    blocks = [name for name in layer_column(table) if name.startswith("blocks")]
+    assert blocks == [
+        *("blocks.0–2  ×3", "blocks.0–2.fc", "blocks.0–2.tap", "blocks.0–2.act"),
+        *("blocks.3", "blocks.3.fc", "blocks.3.tap", "blocks.3.act"),
+        *("blocks.4–6  ×3", "blocks.4–6.fc", "blocks.4–6.tap", "blocks.4–6.act"),
+    ]
+    assert "| blocks.3.tap | Identity | [16, 8] | [16, 8] | 0 |" in table
+    assert "| blocks.0–2  ×3 | Tapped | [16, 4] | [16, 4] | 20 |" in table  # one block's parameters
+    printed = capsys.readouterr().out
+    assert re.search(r"^blocks\.4–6  ×3\s+Tapped\s+\[16, 4\]\s+\[16, 4\]\s+20$", printed, re.MULTILINE)
+    assert "blocks.5" not in printed
+
+
+def test_collapse_repeats_false_shows_every_call(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_trainer(tmp_path, [ShapeLogger(collapse_repeats=False)], max_steps=1).fit(Stack())
+    rows = layer_column(texts(tmp_path, "shapes/train")[0])
+    assert [name for name in rows if name.startswith("blocks") and name.count(".") == 1] == [
+        f"blocks.{i}" for i in range(7)
+    ]
+    assert len(rows) == 1 + 7 * 4 + 5
+    assert "×" not in capsys.readouterr().out
+
+
+class Heads(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((head(x) for head in self.heads), torch.zeros(()))
+
+
+class Shared(nn.Module):
+    """Blocks that each call one module owned by the parent: its calls sit between theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.shared(block(x))
+        return x
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (nn.Sequential(*(nn.Linear(4, 4) for _ in range(3))), ["root", "0–2  ×3"]),
+        (nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["root", "0", "1"]),  # a pair stays as it is
+        (nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)), nn.Linear(4, 2)), ["root", "0–3  ×4", "4"]),
+        (nn.Sequential(nn.Linear(4, 4, bias=False), *(nn.Linear(4, 4) for _ in range(3))), ["root", "0", "1–3  ×3"]),
+        (
+            nn.Sequential(*(Heads(4) for _ in range(3))),
+            ["root", "0–2  ×3", "0–2.heads.0–3  ×4"],
+        ),
+        (Shared(), ["root", *(name for i in range(4) for name in (f"blocks.{i}", "shared"))]),
+    ],
+    ids=["three", "pair", "run-then-other", "other-then-run", "nested", "interleaved"],
+)
+def test_which_runs_collapse(model: nn.Module, expected: list[str]) -> None:
+    rows = trace_shapes(model, torch.zeros(2, 4))
+    assert [re.split(r"\s{2,}(?!×)", line)[0] for line in format_table(rows).splitlines()[2:]] == expected
+    assert len(format_table(rows, collapse=False).splitlines()) == 2 + len(rows)

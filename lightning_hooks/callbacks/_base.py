@@ -18,7 +18,7 @@ from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
 from lightning_hooks._sink import Sink
-from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive
+from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive_many
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
 
 if TYPE_CHECKING:
@@ -232,6 +232,7 @@ class StatsCallback(HookCallback):
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
         self._fired_checked = False
+        self._tag_cache: dict[tuple[str, str], list[str]] = {}
 
     def _start_step(self) -> None:
         """A logging step begins (its first micro-batch)."""
@@ -253,6 +254,7 @@ class StatsCallback(HookCallback):
         self._batch.clear()
         self._fired.clear()
         self._fired_checked = False
+        self._tag_cache = {}
         self._enabled = bool(trainer.loggers)
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
@@ -319,13 +321,23 @@ class StatsCallback(HookCallback):
         return Across(frozenset(groups), agree, reduce)
 
     def _log_states(self, trainer: pl.Trainer, prefix: str, states: dict[str, State], step: int) -> None:
-        metrics = {
-            f"{prefix}{stat}/{key}": value
-            for key, state in states.items()
-            for stat, value in derive(state, self.stats).items()
-        }
-        self._sink.scalars(trainer, metrics, step)
+        self._sink.scalars(trainer, self._metrics(prefix, states, self.stats), step)
         self._dashboard.add_rows(prefix, states, step)
+
+    def _metrics(self, prefix: str, states: dict[str, State], stats: Sequence[str]) -> dict[str, float]:
+        """``{prefix}{stat}/{key}`` for each key and stat: tags made once per fit, statistics derived in one go."""
+        metrics: dict[str, float] = {}
+        for key, values in zip(states, derive_many(list(states.values()), stats), strict=True):
+            if values is not None:
+                metrics.update(zip(self._tags(prefix, key, stats), values, strict=True))
+        return metrics
+
+    def _tags(self, prefix: str, key: str, stats: Sequence[str] = ("",)) -> list[str]:
+        """``{prefix}{stat}/{key}`` for each stat (``{prefix}{key}`` by default), made once per fit."""
+        found = self._tag_cache.get((prefix, key))
+        if found is None:
+            found = self._tag_cache[prefix, key] = [f"{prefix}{stat}/{key}" if stat else prefix + key for stat in stats]
+        return found
 
     def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[str, Histogram], step: int) -> None:
         for key, hist in hists.items():

@@ -12,7 +12,7 @@ from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder, up
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import trainable_parameters
 from lightning_hooks._shards import is_sharded
-from lightning_hooks._stats import STATS, State, derive, norm_total
+from lightning_hooks._stats import STATS, State, norm_total
 from lightning_hooks.callbacks._base import StatsCallback, loss_scaler, refuse_sharded
 
 if TYPE_CHECKING:
@@ -184,13 +184,11 @@ class GradStats(StatsCallback):
         metrics: dict[str, float] = {}
         if params:
             metrics["grad_norm_total"] = norm_total(params.values())
-        metrics.update({f"update_ratio/{name}": value for (_, name), value in fetched.scalars.items()})
+        ratios = {name: value for (_, name), value in fetched.scalars.items()}
         weights = grouped.get("weight", {})
-        metrics.update(
-            {f"update_ratio/{name}": update_ratio(s, weights[name]) for name, s in grouped.get("update", {}).items()}
-        )
+        ratios.update({name: update_ratio(s, weights[name]) for name, s in grouped.get("update", {}).items()})
+        metrics.update({self._tags("update_ratio/", name)[0]: value for name, value in ratios.items()})
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
-        for name, state in outputs.items():
-            metrics.update({f"out_grad_{stat}/{name}": value for stat, value in derive(state, out_stats).items()})
+        metrics.update(self._metrics("out_grad_", outputs, out_stats))
         self._sink.scalars(trainer, metrics, step)
         self._log_histograms(trainer, "grad/", {name: h for (_, name), h in fetched.histograms.items()}, step)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks import _validate
 from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
 from lightning_hooks._select import type_label
 from lightning_hooks._shapes import ShapeRecorder, format_table, parameter_count, shape_table
@@ -39,6 +40,13 @@ class ShapeLogger(HookCallback):
     ``nn.Module.__call__``'s fast path. Sanity-check, validation, test and predict passes are
     never recorded, nor is the forward that activation checkpointing re-runs during backward.
 
+    With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks
+    whose calls have the same structure, classes, parameter counts and shapes (the layers of an
+    encoder, children of an ``nn.ModuleList`` or ``nn.Sequential``) is shown once, named with the
+    range of indices and followed by the number of blocks: ``encoder.layer.0–23  ×24``. Its rows
+    are those of one block (parameters too). The table is collapsed the same way everywhere it
+    goes: printed, in TensorBoard and in every other logger's table.
+
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
             batch's shapes did not change. ``None`` uses the Trainer's ``log_every_n_steps``.
@@ -48,6 +56,8 @@ class ShapeLogger(HookCallback):
         types: Class names of modules to hook, matched along each module's class hierarchy
             (``"Conv2d"``, ``"_ConvNd"``).
         max_depth: Hook modules at most this many levels below the LightningModule.
+        collapse_repeats: Show a run of identical sibling blocks once, with its range and count;
+            ``False`` shows a row for every module call.
 
     Example::
 
@@ -63,10 +73,12 @@ class ShapeLogger(HookCallback):
         exclude: list[str] | None = None,
         types: list[str] | None = None,
         max_depth: int | None = None,
+        collapse_repeats: bool = True,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
         )
+        self.collapse_repeats = _validate.boolean("ShapeLogger", "collapse_repeats", collapse_repeats)
         self._recorder = ShapeRecorder()
         self._logged: set[str] = set()
         self._last_batch: tuple[torch.Size, ...] | None = None
@@ -125,6 +137,6 @@ class ShapeLogger(HookCallback):
         if table and digest not in self._logged:
             self._logged.add(digest)
             header = f"{type_label(pl_module)} · step {step} · batch {format_signature(self._batch)}"
-            echo(f"ShapeLogger: {header}\n{format_table(recorder.rows)}")
-            self._sink.table(trainer, TAG, *shape_table(recorder.rows), step, caption=header)
+            echo(f"ShapeLogger: {header}\n{format_table(recorder.rows, self.collapse_repeats)}")
+            self._sink.table(trainer, TAG, *shape_table(recorder.rows, self.collapse_repeats), step, caption=header)
         recorder.clear()

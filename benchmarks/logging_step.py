@@ -1,0 +1,237 @@
+"""What one logging step of ``GradStats`` + ``ActivationStats`` costs on a large model, and what it is made of.
+
+    .venv/bin/python benchmarks/logging_step.py                          # this checkout, encoder24
+    .venv/bin/python benchmarks/logging_step.py --before ../main         # before/after, interleaved
+
+Each run is one fit in a fresh process (``--repeats`` of them, the code bases alternating when
+``--before`` names another checkout, whose ``lightning_hooks`` is then imported instead of this
+one's): the two callbacks with their defaults (histograms off unless ``--histograms``) log every
+``--every`` steps. A logging step's cost is its time minus the median quiet step of the same
+fit, on the main thread's CPU clock (``time.thread_time``: what the process did, whatever else
+the shared machine does) and on the wall clock. The CPU cost is split by timing, on that clock,
+every call of the functions that do each part:
+
+* **reduction kernels**: the statistics on device (``observe``, ``observe_many``, the pooling in
+  ``fetch``, histogram samples and counts, the update ratios);
+* **event writing**: TensorBoard's backend building and writing the events (main thread), plus
+  the checksums and writes of TensorBoard's record writer, which runs on its own thread (given
+  apart: it takes the GIL from training while it runs);
+* **host work per key**: the rest of the logging step's extra time (hook bodies, keys, pooling
+  bookkeeping, tags, derived statistics, the sink).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BEFORE_ENV = "LIGHTNING_HOOKS_FROM"
+if os.environ.get(BEFORE_ENV):  # another checkout's package, imported before this checkout goes on the path
+    sys.path.insert(0, os.environ[BEFORE_ENV])
+    import lightning_hooks  # noqa: F401
+sys.path.insert(1 if os.environ.get(BEFORE_ENV) else 0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+
+from benchmarks.overhead import WORKLOADS, quiet  # noqa: E402
+from lightning_hooks import ActivationStats, GradStats, _gradients, _sink, _stats  # noqa: E402
+
+PARTS = ("reductions", "events", "writer thread")
+
+
+class Clock:
+    """CPU time spent inside chosen functions, per part, on the thread that called them."""
+
+    def __init__(self) -> None:
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self._depth = 0
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        original = getattr(owner, name, None)
+        if original is None:  # a function this code base does not have
+            return
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth and part != "writer thread":  # an inner call is already counted
+                return original(*args, **kwargs)
+            self._depth += part != "writer thread"
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent[part] += time.thread_time() - start
+                self._depth -= part != "writer thread"
+
+        setattr(owner, name, timed)
+
+
+def instrument(clock: Clock) -> None:
+    from tensorboard.summary.writer import record_writer
+
+    for name in ("observe", "observe_many", "_pooled", "histogram", "sample"):
+        clock.wrap(_stats, name, "reductions")
+    clock.wrap(_gradients._UpdateRatio, "__call__", "reductions")
+    clock.wrap(_sink.TensorBoardBackend, "write", "events")
+    clock.wrap(_sink.TensorBoardBackend, "layout", "events")
+    clock.wrap(record_writer.RecordWriter, "write", "writer thread")
+    with contextlib.suppress(ImportError):
+        from lightning_hooks._events import CRecordWriter
+
+        clock.wrap(CRecordWriter, "write", "writer thread")
+
+
+class Steps(pl.Callback):
+    """Each step's main-thread CPU time, wall time and the clock's parts, batch start to batch start."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.rows, self._last = clock, [], None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        now = (time.thread_time(), time.perf_counter(), dict(self.clock.spent))
+        if self._last is not None:
+            cpu, wall, parts = self._last
+            spent = {p: now[2][p] - parts[p] for p in PARTS}
+            self.rows.append((trainer.global_step - 1, now[0] - cpu, now[1] - wall, spent))
+        self._last = now
+
+
+def run(workload: str, steps: int, every: int, histograms: bool) -> dict[str, Any]:
+    """One fit; the logging steps' extra cost and its parts, in milliseconds."""
+    quiet()
+    clock = Clock()
+    instrument(clock)
+    probe = Steps(clock)
+    torch.manual_seed(0)
+    model, data = WORKLOADS[workload]()
+    callbacks = [GradStats(log_every_n_steps=every, histograms=histograms)]
+    callbacks.append(ActivationStats(log_every_n_steps=every, histograms=histograms))
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps + 1,
+            log_every_n_steps=every,
+            logger=TensorBoardLogger(root),
+            callbacks=[probe, *callbacks],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(model, datamodule=data)
+    kept = [row for row in probe.rows if row[0] >= every]  # the first logging step also builds the layout
+    quiet_rows = [row for row in kept if row[0] % every]
+    logging_rows = [row for row in kept if row[0] % every == 0]
+    quiet_cpu = statistics.median(row[1] for row in quiet_rows)
+    quiet_wall = statistics.median(row[2] for row in quiet_rows)
+    extra_cpu = statistics.median(row[1] - quiet_cpu for row in logging_rows)
+    parts = {p: statistics.median(row[3][p] for row in logging_rows) for p in PARTS}
+    # The writer thread writes a step's events while the next step runs: its time over the fit, per logging step.
+    parts["writer thread"] = sum(row[3]["writer thread"] for row in kept) / len(logging_rows)
+    return {
+        "quiet_cpu": 1e3 * quiet_cpu,
+        "quiet_wall": 1e3 * quiet_wall,
+        "extra_cpu": 1e3 * extra_cpu,
+        "extra_wall": 1e3 * statistics.median(row[2] - quiet_wall for row in logging_rows),
+        "reductions": 1e3 * parts["reductions"],
+        "events": 1e3 * parts["events"],
+        "host per key": 1e3 * (extra_cpu - parts["reductions"] - parts["events"]),
+        "writer thread": 1e3 * parts["writer thread"],
+        "parameters": sum(1 for _ in model.parameters()),
+        "modules": sum(1 for _ in model.modules()),
+    }
+
+
+@contextlib.contextmanager
+def package_of(checkout: Path) -> Iterator[str]:
+    """A directory holding only ``checkout``'s ``lightning_hooks``, to put first on a child's path."""
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "lightning_hooks").symlink_to(checkout.resolve() / "lightning_hooks")
+        yield directory
+
+
+def child(args: argparse.Namespace, before: str | None) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", args.workload, "--steps", str(args.steps)]
+    command += ["--every", str(args.every), *(["--histograms"] if args.histograms else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env.pop(BEFORE_ENV, None)
+    if before is not None:
+        env[BEFORE_ENV] = before
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if out.returncode:
+        sys.exit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(name: str, runs: list[dict[str, Any]]) -> None:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    extra, ratio = med("extra_cpu"), med("extra_cpu") / med("quiet_cpu")
+    print(
+        f"| {name} | {med('quiet_cpu'):.1f} / {med('quiet_wall'):.1f} | {extra:.1f} ({ratio:.2f}) "
+        f"/ {med('extra_wall'):.1f} | {med('reductions'):.1f} | {med('host per key'):.1f} | {med('events'):.1f} "
+        f"| {med('writer thread'):.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="encoder24", choices=list(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each fit")
+    parser.add_argument("--histograms", action="store_true")
+    parser.add_argument("--before", type=Path, help="another checkout to measure against, interleaved")
+    parser.add_argument("--child", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        print(json.dumps(run(args.child, args.steps, args.every, args.histograms)))
+        return
+    bases: dict[str, Callable[[], contextlib.AbstractContextManager[str | None]]] = {
+        "this checkout": contextlib.nullcontext
+    }
+    if args.before is not None:
+        bases = {f"before ({args.before})": lambda: package_of(args.before), **bases}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in bases}
+    for _ in range(args.repeats):
+        for name, base in bases.items():
+            with base() as path:
+                runs[name].append(child(args, path))
+    first = next(iter(runs.values()))[0]
+    print(
+        f"{time.strftime('%Y-%m-%d')}, {args.workload} ({first['parameters']} parameter tensors, {first['modules']} "
+        f"modules), GradStats + ActivationStats every {args.every} steps, histograms "
+        f"{'on' if args.histograms else 'off'}, {args.threads} thread(s), medians of {args.repeats} fits x "
+        f"{args.steps} steps; milliseconds\n"
+    )
+    print(
+        "| code | quiet step, CPU / wall | logging step's extra, CPU (× quiet) / wall | reduction kernels "
+        "| host work per key | event writing | writer thread |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, found in runs.items():
+        report(name, found)
+
+
+if __name__ == "__main__":
+    main()

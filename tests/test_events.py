@@ -1,0 +1,77 @@
+"""Event records checksummed in C are byte for byte TensorBoard's own, and only our logger's writer changes."""
+
+from __future__ import annotations
+
+import io
+import struct
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.summary.writer.record_writer import RecordWriter
+from torch.utils.tensorboard import SummaryWriter
+
+from lightning_hooks import ActivationStats, GradStats, ShapeLogger
+from lightning_hooks._events import CRecordWriter, checksum_in_c
+from tests.helpers import Probe, TinyNet, make_trainer
+
+pytest.importorskip("google_crc32c", reason="the C CRC-32C comes from google-crc32c")
+
+
+def records(path: Path) -> list[bytes]:
+    """The data of every record in an event file (length, its CRC, data, its CRC)."""
+    raw, found, at = path.read_bytes(), [], 0
+    while at < len(raw):
+        (length,) = struct.unpack_from("<Q", raw, at)
+        found.append(raw[at + 12 : at + 12 + length])
+        at += 12 + length + 4
+    assert at == len(raw)
+    return found
+
+
+def record_writer(writer: SummaryWriter) -> RecordWriter:
+    return writer._get_file_writer().event_writer._async_writer._writer
+
+
+def user_writes(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> type:
+    """What the user of the logger does during the fit: write through it too; which record writer it has."""
+    writer = trainer.logger.experiment  # type: ignore[union-attr]
+    writer.add_scalar("user/value", 1.5, trainer.global_step)
+    return type(record_writer(writer))
+
+
+def test_event_file_is_what_tensorboards_writer_writes(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run")
+    user = Probe("on_train_batch_end", user_writes)
+    callbacks = [ShapeLogger(), GradStats(log_every_n_steps=1, histograms=True), ActivationStats(log_every_n_steps=1)]
+    make_trainer(tmp_path, [*callbacks, user], logger=logger, max_steps=4).fit(TinyNet())
+    assert user.seen == [CRecordWriter] * 4  # the C checksums were in use from the first logging step on
+
+    [path] = Path(logger.log_dir).glob("events.out.tfevents.*")
+    data = records(path)
+    assert len(data) > 10
+    expected = io.BytesIO()
+    python_writer = RecordWriter(expected)  # TensorBoard's own, pure-Python CRC-32C
+    for record in data:
+        python_writer.write(record)
+    assert path.read_bytes() == expected.getvalue()
+
+    events = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}).Reload()
+    assert events.Scalars("grad_norm/fc1.weight")[-1].step == 3
+    assert events.Histograms("grad/fc1.weight")
+    assert events.Tensors("shapes/train")
+    assert [e.value for e in events.Scalars("user/value")] == [1.5] * 4
+
+
+def test_only_the_writer_we_write_through_changes(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(tmp_path, name="run")
+    other = SummaryWriter(tmp_path / "other")  # the user's own writer, in the same process
+    ours = Probe("on_train_end", lambda trainer, pl_module: record_writer(trainer.logger.experiment))
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1), ours], logger=logger, max_steps=2).fit(TinyNet())
+    assert type(ours.seen[0]) is CRecordWriter
+    assert type(record_writer(other)) is RecordWriter
+    assert isinstance(ours.seen[0], RecordWriter)
+    assert checksum_in_c(object()) is False  # a writer of another make is left alone
+    other.close()
