@@ -140,7 +140,18 @@ class HookCallback(Callback):
 
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
         """A training (not sanity-check) step whose optimizer step is a multiple of the period."""
-        return trainer.training and not trainer.sanity_checking and trainer.global_step % self.every(trainer) == 0
+        return self.due_step(trainer) is not None
+
+    def due_step(self, trainer: pl.Trainer) -> int | None:
+        """The optimizer step if this is a logging step (see :meth:`is_logging_step`), else ``None``.
+
+        Called on every batch while the gate is closed: it reads ``trainer.global_step`` (a chain of
+        properties in Lightning's loops) once, and nothing else is read on a quiet batch.
+        """
+        if not trainer.training or trainer.sanity_checking:
+            return None
+        step = trainer.global_step
+        return step if step % self.every(trainer) == 0 else None
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         raise NotImplementedError
@@ -274,21 +285,25 @@ class StatsCallback(HookCallback):
     ) -> None:
         if not self._enabled:
             return
-        opening = self.gate.step is None
-        if self.gate.begin(trainer.global_step, opening and self.is_logging_step(trainer)):
-            if opening:
-                self._batch.start()
-                self._start_step()
-            self._arm_step(trainer, pl_module)
+        if not self.gate.is_open:
+            step = self.due_step(trainer)
+            if step is None:
+                return
+            self.gate.begin(step, due=True)
+            self._batch.start()
+            self._start_step()
+        self._arm_step(trainer, pl_module)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
+        if not self.gate.is_open:  # a quiet batch: nothing was recorded
+            return
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
-        if step is None:  # nothing was recorded, or more micro-batches of the step are to come
+        if step is None:  # more micro-batches of the step are to come
             return
         with self._sink.gathered(trainer):  # each logger gets the step's scalars, histograms and figures at once
             self._emit(trainer, step)

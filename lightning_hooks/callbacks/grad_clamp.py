@@ -132,8 +132,9 @@ class GradClamp(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        due = self.gate.step is None and self.is_logging_step(trainer)
-        self._clamper.count.active = self.gate.begin(trainer.global_step, due)
+        if not self.gate.is_open:
+            step = self.due_step(trainer)
+            self._clamper.count.active = step is not None and self.gate.begin(step, due=True)
 
     @override
     def on_before_optimizer_step(
@@ -148,6 +149,8 @@ class GradClamp(HookCallback):
     ) -> None:
         self._step_handles.remove()  # the clamps on FSDP2's unsharded parameters, hooked again by the next forward
         self._clamper.unsharded.clear()
+        if not self.gate.is_open:  # a quiet batch: nothing was counted
+            return
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:

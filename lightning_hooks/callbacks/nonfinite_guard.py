@@ -231,8 +231,11 @@ class NonFiniteGuard(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         opening = not self.gate.is_open
-        if not self.gate.begin(trainer.global_step, self.is_logging_step(trainer)):
-            return
+        if opening:
+            step = self.due_step(trainer)
+            if step is None:
+                return
+            self.gate.begin(step, due=True)
         if not self._eager:  # the sentinel: keep what a replay would need, attach nothing
             start = RngState.capture(self._device), training_flags(self._every_module)
             self._micro_batches.append(MicroBatch(batch, batch_idx, *start))
@@ -272,7 +275,7 @@ class NonFiniteGuard(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._eager:
-            if self.gate.end(trainer.global_step) is not None:  # the step is over: let its batches go
+            if self.gate.is_open and self.gate.end(trainer.global_step) is not None:  # the step is over
                 self._micro_batches, self._skipping = [], False
             return
         self._recorder.active = False  # what runs until the next batch (validation) is not recorded

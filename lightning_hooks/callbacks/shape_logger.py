@@ -114,7 +114,7 @@ class ShapeLogger(HookCallback):
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
         due = bool(self._modules) and (not self._logged or changed or self.is_logging_step(trainer))
-        if self.gate.begin(trainer.global_step, due):
+        if due and self.gate.begin(trainer.global_step, due=True):
             self._batch = signature(batch)
             self._recorder.clear()
             self._recorder.active = True
@@ -126,9 +126,10 @@ class ShapeLogger(HookCallback):
     ) -> None:
         recorder = self._recorder
         self._step_handles.remove()
-        step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
-        if step is None:
+        if not self.gate.is_open:
             return
+        step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
+        assert step is not None
         recorder.active = False
         if not self._logged:  # the first table of this fit
             report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, step)
