@@ -109,6 +109,7 @@ def variants(frequencies: list[int]) -> list[Variant]:
         ]
     every = max(frequencies)
     found.append(Variant(f"an empty Callback @{every}", lambda: [pl.Callback()], every=every))
+    found.append(Variant(f"all five, figures=False @{every}", lambda: all_five(every, figures=False), every=every))
     clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
     found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
     if _wandb_available():
@@ -124,12 +125,12 @@ def baseline(every: int) -> str:
     return f"lightning @{every}"
 
 
-def all_five(every: int) -> list[pl.Callback]:
+def all_five(every: int, figures: bool = True) -> list[pl.Callback]:
     return [
         ShapeLogger(log_every_n_steps=every),
         GradClamp(CLAMP, log_every_n_steps=every),
-        GradStats(log_every_n_steps=every),
-        ActivationStats(log_every_n_steps=every),
+        GradStats(log_every_n_steps=every, figures=figures),
+        ActivationStats(log_every_n_steps=every, figures=figures),
         NonFiniteGuard(check_every_n_steps=every),
     ]
 

@@ -179,3 +179,22 @@ def test_figure_period_must_be_a_positive_integer(callback: Any, bad: object) ->
     )
     with pytest.raises(ValueError, match=match):
         callback(figure_every_n_steps=bad)
+
+
+def test_figures_false_draws_no_figure_and_logs_everything_else(tmp_path: Path) -> None:
+    callbacks = [
+        GradStats(log_every_n_steps=1, figures=False),
+        ActivationStats(log_every_n_steps=1, figures=False),
+    ]
+    make_trainer(tmp_path, callbacks, max_steps=3).fit(TinyNet())
+    tags = events(tmp_path).Tags()
+    assert tags["images"] == []
+    assert "grad_norm_total" in tags["scalars"]
+    assert "act_mean/fc1" in tags["scalars"]
+
+
+def test_a_figure_period_with_figures_false_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`GradStats` got `figure_every_n_steps=5` with `figures=False`"):
+        GradStats(figures=False, figure_every_n_steps=5)
+    with pytest.raises(TypeError, match=r"`ActivationStats` got `figures='no'`"):
+        ActivationStats(figures="no")  # type: ignore[arg-type]

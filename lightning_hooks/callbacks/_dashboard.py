@@ -62,8 +62,10 @@ class Dashboard:
     always shows the final state. An explicit ``figure_every_n_steps`` is followed exactly.
     """
 
-    def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None) -> None:
+    def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
         self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
+        self.figures = figures
+        """Whether figures are drawn at all (matplotlib is never imported otherwise)."""
         self._rows: dict[str, Rows] = {}
         self._step: int | None = None
         self._can_draw = True
@@ -79,7 +81,7 @@ class Dashboard:
         self.reset()
         self._skipped, self._next_draw = None, -math.inf
         every = self.figure_every(log_every)
-        if every % log_every:
+        if self.figures and every % log_every:
             both = every * log_every // math.gcd(every, log_every)
             rank_zero_warn(
                 f"`{self.owner}` got `figure_every_n_steps={every}`, which is not a multiple of the logging period "
@@ -102,7 +104,7 @@ class Dashboard:
         if step is None:
             return
         self.sink.layout(trainer, step)
-        if not rows or step % self.figure_every(log_every) or not self._can_draw:
+        if not rows or not self.figures or step % self.figure_every(log_every) or not self._can_draw:
             return
         if not self.sink.wants_figures(trainer, warn=self.figure_every_n_steps is not None):
             return

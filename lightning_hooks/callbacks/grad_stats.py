@@ -76,6 +76,8 @@ class GradStats(StatsCallback):
             ``None``: every 10 logging periods, skipping figures that would make drawing them take
             over 1 % of the fit's time (the last skipped one is drawn when training ends).
             Needs matplotlib (the ``plots`` extra).
+        figures: ``False`` draws no figure at all, so matplotlib is never loaded (it adds about
+            50 MB to the process the first time a figure is drawn); everything else is logged.
 
     Example::
 
@@ -97,6 +99,7 @@ class GradStats(StatsCallback):
         types: list[str] | None = None,
         max_depth: int | None = None,
         figure_every_n_steps: int | None = None,
+        figures: bool = True,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps,
@@ -108,6 +111,7 @@ class GradStats(StatsCallback):
             types=types,
             max_depth=max_depth,
             figure_every_n_steps=figure_every_n_steps,
+            figures=figures,
         )
         for arg, value in (
             ("param_grads", param_grads),
