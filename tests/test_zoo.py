@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, ShapeLogger, trace_shapes
@@ -104,3 +105,23 @@ def test_the_never_ran_warning_comes_once_per_fit_not_once_per_process(tmp_path:
     for run in ("first", "second"):  # the same model in a new Trainer is a new fit: the user is told again
         never = [m for m in fit(model, tmp_path / run) if "never ran" in m]
         assert len(never) == 1, run
+
+
+class StackNet(ZooModule):
+    """Blocks kept in an ``nn.ModuleList`` and ``nn.ModuleDict``, which are iterated, never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.heads = nn.ModuleDict({"out": nn.Linear(4, 3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.heads["out"](x)
+
+
+def test_containers_without_a_forward_are_not_called_silent(tmp_path: Path) -> None:
+    messages = fit(StackNet(), tmp_path)
+    assert not [m for m in messages if "never ran" in m], messages
+    assert "act_mean/blocks.1" in events(tmp_path).Tags()["scalars"]

@@ -73,7 +73,8 @@ def report_silent_modules(
 ) -> None:
     """Warn, once per fit and set of names whichever callback finds them, about selected
     modules whose hooks did not fire during a recorded training step."""
-    silent = tuple(name for name, _ in selected if name not in fired)
+    # A container without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called.
+    silent = tuple(name for name, m in selected if name not in fired and type(m).forward is not nn.Module.forward)
     reported = _SILENT_REPORTED.setdefault(trainer, set())
     if not silent or silent in reported:
         return
