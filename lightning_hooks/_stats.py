@@ -355,6 +355,7 @@ class Fetched(NamedTuple):
     states: dict[Key, State]
     histograms: dict[Key, Histogram]
     scalars: dict[Key, float]
+    vectors: dict[Key, list[float]] = {}
 
 
 @dataclass
@@ -371,16 +372,17 @@ class StatBatch:
     observations: dict[Key, list[Observation]] = field(default_factory=dict)
     samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
+    vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.observations) + len(self.samples) + len(self.extra)
+        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
     def clear(self) -> None:
-        self.observations, self.samples, self.extra = {}, {}, {}
+        self.observations, self.samples, self.extra, self.vectors = {}, {}, {}, {}
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -408,13 +410,24 @@ class StatBatch:
         if self.open:
             self.extra.update(zip(keys, values.detach().double().reshape(-1, 1).unbind(0), strict=True))
 
+    def add_vector(self, key: Key, values: torch.Tensor) -> None:
+        """A vector under ``key`` (e.g. how often each unit of a layer fired), pooled by ``+`` with the key's
+        earlier vectors in the step and, for groups fetched ``across`` processes, with every process's."""
+        if self.open:
+            values = values.detach().double().reshape(-1)
+            found = self.vectors.get(key)
+            self.vectors[key] = values if found is None else found + values
+
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
-        observations, samples, extra = self.observations, self.samples, self.extra
+        observations, samples, extra, vectors = self.observations, self.samples, self.extra, self.vectors
         self.clear()  # closes the batch too
         device = next(
             (o.raw.device for obs in observations.values() for o in obs if o.raw is not None),
-            next((v.device for v in [*extra.values(), *(s[0] for s in samples.values())]), torch.device("cpu")),
+            next(
+                (v.device for v in [*extra.values(), *vectors.values(), *(s[0] for s in samples.values())]),
+                torch.device("cpu"),
+            ),
         )
         local = list(observations)
         shared: list[Key] = []
@@ -434,6 +447,8 @@ class StatBatch:
         parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
             parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
+        vector_keys, vector_parts = _vectors(vectors, across, device)
+        parts.extend(vector_parts)
         if not parts:
             return Fetched({}, {}, {})
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
@@ -447,8 +462,40 @@ class StatBatch:
         for key in hist_keys:
             hists[key] = Histogram.from_row(flat[offset : offset + width])
             offset += width
-        scalars = dict(zip(extra, flat[offset:], strict=True))
-        return Fetched(found, hists, scalars)
+        scalars = dict(zip(extra, flat[offset : offset + len(extra)], strict=True))
+        offset += len(extra)
+        found_vectors: dict[Key, list[float]] = {}
+        for key, length in vector_keys:
+            found_vectors[key] = flat[offset : offset + length]
+            offset += length
+        return Fetched(found, hists, scalars, found_vectors)
+
+
+def _vectors(
+    vectors: dict[Key, torch.Tensor], across: Across | None, device: torch.device
+) -> tuple[list[tuple[Key, int]], list[torch.Tensor]]:
+    """``(key, length)`` of each vector to fetch and the vectors themselves, those of ``across``'s groups summed
+    over processes (keys and lengths agreed first: a process that lacks a key contributes zeros)."""
+    local = [k for k in vectors if across is None or k[0] not in across.groups]
+    keys = [(k, vectors[k].numel()) for k in local]
+    parts = [vectors[k] if vectors[k].device == device else vectors[k].to(device) for k in local]
+    if across is not None:
+        mine = sorted(
+            (group, f"{name}\0{vectors[group, name].numel()}") for group, name in vectors if group in across.groups
+        )
+        agreed = [
+            ((group, coded.rpartition("\0")[0]), int(coded.rpartition("\0")[2])) for group, coded in across.agree(mine)
+        ]
+        if agreed:
+            shared = torch.cat(
+                [
+                    vectors[k].to(device) if k in vectors else torch.zeros(n, dtype=torch.float64, device=device)
+                    for k, n in agreed
+                ]
+            )
+            keys += agreed
+            parts.append(across.reduce(shared, "sum"))
+    return keys, parts
 
 
 def _pooled(keys: list[Key], observations: dict[Key, list[Observation]], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,363 @@
+"""HealthMonitor: reads the statistics for you and names what is wrong, where, and since when."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_hooks import _validate
+from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks._gradients import ParamGradRecorder
+from lightning_hooks._handles import HookHandles
+from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
+from lightning_hooks._health_report import COLUMNS, rows, summary, warning
+from lightning_hooks._select import label, trainable_parameters
+from lightning_hooks._stats import STATS, Fetched, State, combine
+from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+Check = Literal[
+    "dead_units",
+    "vanishing_gradients",
+    "exploding_gradients",
+    "update_ratio",
+    "activation_growth",
+    "nonfinite",
+    "loss_spike",
+]
+TABLE_TAG = "health/findings"
+ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite"}
+GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite"}
+
+
+class HealthMonitor(StatsCallback):
+    """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
+
+    Every ``log_every_n_steps`` optimizer steps it gathers what :class:`ActivationStats` and
+    :class:`GradStats` would (outputs of the selected leaf modules, parameter gradients, update
+    ratios, and per output unit how many values were non-zero), on device, fetched with one host
+    transfer, pooled across DDP ranks; then runs its checks on the host:
+
+    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
+      conv map, features of a linear output) exactly zero for every sample of the batch.
+    * ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
+      ``gradient_spread`` times below / above the median layer's; or the total gradient norm rising
+      at each of ``patience`` logging steps and ``norm_growth``-fold over them.
+    * ``update_ratio``: a layer's ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``
+      (step 0 and zero-initialised layers are not judged).
+    * ``activation_growth``: a layer's output RMS ``activation_growth`` times that of the layers
+      before it, or of its own first logging step.
+    * ``nonfinite``: NaN/Inf in a layer's output (the first in model order), else in a parameter
+      gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
+    * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
+      the median of the previous 100 steps; it names the layers whose gradient norm jumped most on
+      that step. This is the one check that costs something on quiet steps: each step's loss and
+      a vector of per-parameter gradient norms (one ``torch._foreach_norm``) are written into an
+      on-device ring, read at the next logging step without a host synchronisation in between.
+
+    The first four need ``patience`` consecutive logging steps. A finding that keeps holding stays
+    one finding whose ``last_step`` advances. Each new finding is warned once (rank zero), the
+    table of findings is logged as text ``health/findings`` whenever a new one appears, the
+    scalars ``health/<check>`` (how many layers are affected) at every logging step, and a summary
+    is printed when the fit ends. :attr:`findings` holds them as :class:`HealthFinding` objects.
+
+    Args:
+        log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.
+        checks: Which checks to run (default: all of them).
+        include: Glob patterns over qualified module names (``""`` is the LightningModule).
+        exclude: Glob patterns of modules to leave out.
+        types: Class names of modules to watch, matched along the class hierarchy.
+        max_depth: Watch modules at most this many levels below the LightningModule.
+        dead_fraction: Share of a layer's units that must be dead (0.25).
+        gradient_spread: How many times below or above the median layer's mean ``|gradient|`` a
+            layer's must be (1e3: three orders of magnitude).
+        norm_growth: How many times the total gradient norm must grow over ``patience`` logging steps (100).
+        update_ratio_low: The lowest healthy ``||Δw|| / ||w||`` per step (1e-6).
+        update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.3).
+        activation_growth: How many times a layer's output RMS may exceed that of the layers before
+            it, or its own at the first logging step (1e3).
+        spike_threshold: How many robust deviations above the rolling median a loss spike is (20).
+        patience: Consecutive logging steps a persistent problem must hold before it is reported (3).
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import HealthMonitor
+        >>> monitor = HealthMonitor(checks=["dead_units", "nonfinite"])
+        >>> trainer = Trainer(callbacks=[monitor], logger=False)
+        >>> monitor.findings
+        []
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        checks: list[Check] | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+        dead_fraction: float = 0.25,
+        gradient_spread: float = 1e3,
+        norm_growth: float = 100.0,
+        update_ratio_low: float = 1e-6,
+        update_ratio_high: float = 0.3,
+        activation_growth: float = 1e3,
+        spike_threshold: float = 20.0,
+        patience: int = 3,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps,
+            stats=None,
+            allowed_stats=STATS,
+            histograms=False,
+            include=include,
+            exclude=exclude,
+            types=types,
+            max_depth=max_depth,
+        )
+        owner = type(self).__name__
+        self.checks: list[str] = _validate.subset(owner, "checks", checks, CHECKS) or list(CHECKS)
+        fraction = _validate.positive_float(owner, "dead_fraction", dead_fraction)
+        if fraction > 1:
+            raise ValueError(f"`{owner}` got `dead_fraction={dead_fraction!r}`; `dead_fraction` must be in (0, 1].")
+        limits = {
+            arg: _validate.positive_float(owner, arg, value)
+            for arg, value in (
+                ("gradient_spread", gradient_spread),
+                ("norm_growth", norm_growth),
+                ("update_ratio_low", update_ratio_low),
+                ("update_ratio_high", update_ratio_high),
+                ("activation_growth", activation_growth),
+                ("spike_threshold", spike_threshold),
+            )
+        }
+        for arg in ("gradient_spread", "norm_growth", "activation_growth"):
+            if limits[arg] <= 1:
+                raise ValueError(f"`{owner}` got `{arg}={limits[arg]!r}`; `{arg}` must be a number above 1.")
+        if limits["update_ratio_low"] >= limits["update_ratio_high"]:
+            raise ValueError(
+                f"`{owner}` got `update_ratio_low={update_ratio_low!r}` and `update_ratio_high={update_ratio_high!r}`; "
+                f"`update_ratio_low` must be below `update_ratio_high`."
+            )
+        _validate.positive_int(owner, "patience", patience, allow_none=False)
+        self.thresholds = Thresholds(dead_fraction=fraction, patience=patience, **limits)
+        self._tracker = HealthTracker(self.checks, self.thresholds)
+        on = set(self.checks)
+        self._watch_outputs = bool(on & ACTIVATION_CHECKS)
+        self._watch_grads = bool(on & GRADIENT_CHECKS)
+        self._spikes = "loss_spike" in on
+        self._acts = ActivationRecorder(self._batch, fired=self._fired, units="dead_units" in on)
+        self._grads = ParamGradRecorder(self._batch, update_ratio="update_ratio" in on, weight_norms=True)
+        self._ratio_handles = HookHandles()
+        self._leaves: list[tuple[str, nn.Module]] = []
+        self._params: list[tuple[str, nn.Parameter]] = []
+        self._owner: dict[str, str] = {}
+        """The layer (module label) of each watched parameter."""
+        self._order: list[str] = []
+        self._with_params: frozenset[str] = frozenset()
+        self._ring: _LossRing | None = None
+
+    @property
+    def findings(self) -> list[HealthFinding]:
+        """Every finding of the current (or last) fit, in the order they were first made."""
+        return self._tracker.findings
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self._watch_grads:
+            refuse_sharded(trainer.strategy, "`HealthMonitor`", "leave the gradient checks out of `checks`")
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        super()._attach(trainer, pl_module, modules)
+        self._tracker = HealthTracker(self.checks, self.thresholds)
+        self._leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
+        self._params = trainable_parameters(modules)
+        owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
+        self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
+        self._order = [label(name) for name, _ in modules]
+        self._with_params = frozenset(
+            label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
+        )
+        self._ring = None
+        if self._spikes and self._enabled and self._params:
+            device = self._params[0][1].device
+            self._ring = _LossRing([p for _, p in self._params], self.every(trainer) + 1, device)
+
+    @override
+    def _detach(self) -> None:
+        self._ratio_handles.remove()
+        super()._detach()
+        self._leaves, self._params, self._ring = [], [], None
+
+    @override
+    def _start_step(self) -> None:
+        self._grads.start()
+
+    @override
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._watch_outputs:
+            self._acts.attach(self._leaves, self._step_handles)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._ring is not None and trainer.training and not trainer.sanity_checking:
+            self._ring.loss(trainer.global_step, loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._ring is not None:
+            self._ring.norms(trainer.global_step)
+        if self._watch_grads and self._enabled and self.gate.is_open:
+            self._grads.record(self._params, optimizer, self._ratio_handles)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._ratio_handles.remove()  # a skipped optimizer step (AMP overflow) never calls the update-ratio hook
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_end(trainer, pl_module)
+        if self._enabled:
+            rank_zero_info(summary(self.findings, trainer.global_step))
+
+    @override
+    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
+        # Only the leaves are hooked: a container that ran is not "silent".
+        if not self._fired_checked:
+            self._fired_checked = True
+            report_silent_modules(trainer, self._leaves, self._fired, step)
+
+    @override
+    def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        if self._watch_outputs:
+            self._check_fired(trainer, step)
+        ring_steps = self._ring.hand_over(self._batch) if self._ring is not None else []
+        fetched = self._batch.fetch(self._across(trainer, {"act", "units"}))
+        snap = self._snapshot(fetched, step, ring_steps, trainer)
+        new = self._tracker.update(snap)
+        for finding in new:
+            rank_zero_warn(warning(finding))
+        if new:
+            self._sink.table(
+                trainer, TABLE_TAG, COLUMNS, rows(self.findings), step, caption=f"HealthMonitor, step {step}"
+            )
+        affected = self._tracker.affected
+        self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
+
+    def _snapshot(self, fetched: Fetched, step: int, ring_steps: list[int], trainer: pl.Trainer) -> Snapshot:
+        outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
+        params: dict[str, list[State]] = {}  # a layer's parameters pooled
+        for (group, name), state in fetched.states.items():
+            if group == "act":
+                outputs.setdefault(name.split(".out.", 1)[0], []).append(state)
+            elif group == "param":
+                params.setdefault(self._owner.get(name, name), []).append(state)
+        changes: dict[str, list[float]] = {}
+        weights: dict[str, list[float]] = {}
+        for (group, name), value in fetched.scalars.items():
+            norm = fetched.scalars.get(("wnorm", name), math.nan)
+            if group == "ratio":
+                layer = self._owner.get(name, name)
+                changes.setdefault(layer, []).append((value * norm) ** 2)
+                weights.setdefault(layer, []).append(norm**2)
+        ratios, weight_norms = {}, {}
+        for layer, squares in weights.items():
+            weight_norms[layer] = math.sqrt(math.fsum(squares))
+            ratios[layer] = math.sqrt(math.fsum(changes[layer])) / max(weight_norms[layer], 1e-12)
+        units: dict[str, list[float]] = {}
+        for (group, name), values in fetched.vectors.items():
+            if group == "units":
+                units.setdefault(name.split(".out.", 1)[0], values)
+        losses, norms, layers = [], [], []
+        if ring_steps:
+            flat = fetched.vectors[("ring", "loss")]
+            norm_rows = fetched.vectors[("ring", "norms")]
+            width = len(self._params)
+            layers = sorted(set(self._owner.values()), key=self._order.index)
+            column = {
+                layer: [i for i, (name, _) in enumerate(self._params) if self._owner[name] == layer] for layer in layers
+            }
+            for i, ring_step in enumerate(ring_steps):
+                row = norm_rows[i * width : (i + 1) * width]
+                losses.append((ring_step, flat[i]))
+                norms.append([math.sqrt(math.fsum(row[j] ** 2 for j in column[layer])) for layer in layers])
+        return Snapshot(
+            step=step,
+            order=self._order,
+            activations={layer: combine(states) for layer, states in outputs.items()},
+            units=units,
+            grads={layer: combine(states) for layer, states in params.items()},
+            ratios=ratios,
+            weights=weight_norms,
+            losses=losses,
+            norms=norms,
+            norm_layers=layers,
+            leaves_with_params=self._with_params,
+            nonfinite_note=_guard_note(trainer, step),
+        )
+
+
+def _guard_note(trainer: pl.Trainer, step: int) -> str:
+    """What a :class:`NonFiniteGuard` in the same Trainer found, if it found something up to ``step``."""
+    from lightning_hooks.callbacks.nonfinite_guard import NonFiniteGuard
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        found = getattr(callback, "last_finding", None) if isinstance(callback, NonFiniteGuard) else None
+        if found is not None and found.step <= step:
+            first = found.lines(found.step)[0]
+            return f"`NonFiniteGuard` found at step {found.step}: {first}"
+    return ""
+
+
+class _LossRing:
+    """Each optimizer step's loss and per-parameter gradient norms, written on device into a ring of ``size`` rows.
+
+    Nothing is read on a quiet step: :meth:`hand_over` puts the rows written since the previous
+    hand-over into the logging step's batch, which fetches them with everything else.
+    """
+
+    def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
+        self.params, self.size = params, size
+        self.losses = torch.zeros(size, dtype=torch.float32, device=device)
+        self.grad_norms = torch.zeros(size, len(params), dtype=torch.float32, device=device)
+        self.zero = torch.zeros((), device=device)
+        self.steps: list[int] = []
+        """The steps written since the last hand-over, oldest first."""
+        self._loss_step = -1
+
+    def loss(self, step: int, loss: torch.Tensor) -> None:
+        slot = self.losses[step % self.size]
+        if step == self._loss_step:  # a further micro-batch of the step (Lightning divides each by their count)
+            slot.add_(loss.detach())
+        else:
+            slot.copy_(loss.detach())
+            self._loss_step = step
+            self.steps.append(step)
+            del self.steps[: -self.size]
+
+    def norms(self, step: int) -> None:
+        grads = [p.grad if p.grad is not None else self.zero for p in self.params]
+        torch.stack(torch._foreach_norm(grads), out=self.grad_norms[step % self.size])
+
+    def hand_over(self, batch: Any) -> list[int]:
+        steps, self.steps = self.steps, []
+        if steps:
+            slots = torch.tensor([s % self.size for s in steps], device=self.losses.device)
+            batch.add_vector(("ring", "loss"), self.losses.index_select(0, slots))
+            batch.add_vector(("ring", "norms"), self.grad_norms.index_select(0, slots))
+        return steps
