@@ -17,7 +17,7 @@ The thresholds and where they come from (README, "HealthMonitor"):
   orders of magnitude); or the total gradient norm rising at each of ``patience`` logging steps in
   a row and by ``norm_growth`` (100×) over them.
 * ``update_ratio``: ``||Δw|| / ||w||`` of a layer's parameters outside ``[update_ratio_low,
-  update_ratio_high]`` (1e-6, 0.3) on ``patience`` logging steps; around 1e-3 is the classic rule
+  update_ratio_high]`` (1e-6, 0.1) on ``patience`` logging steps; around 1e-3 is the classic rule
   of thumb, small models under Adam run near 1e-2. Step 0 and zero-initialised layers are not judged.
 * ``activation_growth``: a layer's output RMS above ``activation_growth`` (1e3) times the median of
   the layers before it (depth), or times its own RMS at the first logging step (time).
@@ -56,6 +56,11 @@ MIN_SAMPLES = 8
 """``dead_units`` judges a layer only when each of its units saw at least this many values."""
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
+SPIKE_FLOOR = 0.05
+"""``loss_spike``'s robust deviation is at least this share of the highest rolling median seen in the fit: a
+batch at 0.5 when the loss has settled at 0.01 is noise next to where the loss started, not a spike."""
+ALIKE = 10.0
+"""Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
 MAD_SCALE = 1.4826
 """``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
 
@@ -91,7 +96,7 @@ class Thresholds:
     gradient_spread: float = 1e3
     norm_growth: float = 100.0
     update_ratio_low: float = 1e-6
-    update_ratio_high: float = 0.3
+    update_ratio_high: float = 0.1
     activation_growth: float = 1e3
     spike_threshold: float = 20.0
     patience: int = 3
@@ -105,7 +110,7 @@ class Snapshot:
     output unit were non-zero) are of leaf modules; ``grads`` pools each layer's parameter
     gradients; ``ratios`` is ``||Δw|| / ||w||`` per layer with ``weights`` its ``||w||``;
     ``losses`` and ``norms`` are the steps since the previous snapshot, each with its loss and
-    the gradient norm of each of ``norm_layers``.
+    the gradient norm of each parameter, ``norm_layers`` naming the layer of each.
     """
 
     step: int
@@ -119,7 +124,8 @@ class Snapshot:
     norms: list[list[float]] = field(default_factory=list)
     norm_layers: Sequence[str] = ()
     leaves_with_params: frozenset[str] = frozenset()
-    nonfinite_note: str = ""
+    guard: tuple[str, int, str] | None = None
+    """What a ``NonFiniteGuard`` in the same Trainer found last: ``(layer, step, first line of its report)``."""
 
 
 @dataclass(frozen=True)
@@ -187,40 +193,52 @@ def _layer_mean_abs(snap: Snapshot) -> dict[str, float]:
 
 
 def gradient_spread(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers whose mean ``|gradient|`` is ``gradient_spread`` times below or above the median layer's."""
+    """Layers whose mean ``|gradient|`` is ``gradient_spread`` times below or above the median layer's.
+
+    When the gradients fall or rise along the depth, some layers sit below and some above the
+    median: the end nearer the input names the problem (backward compounds from the output
+    towards the input). Small gradients there are vanishing, and the large ones after them are
+    not reported as exploding; large gradients there are exploding, and the small ones after
+    them are not reported as vanishing.
+    """
     means = _layer_mean_abs(snap)
     if len(means) < 3:
         return []
     median = statistics.median(means.values())
+    position = {name: i for i, name in enumerate(snap.order)}
+    low = [n for n, m in means.items() if m <= median / limits.gradient_spread]
+    high = [n for n, m in means.items() if m >= median * limits.gradient_spread]
+    first_low = min((position[n] for n in low), default=math.inf)
+    first_high = min((position[n] for n in high), default=math.inf)
+    low = [n for n in low if position[n] < first_high]
+    high = [n for n in high if position[n] < first_low]
     found = []
-    for name, mean in sorted(means.items(), key=lambda item: item[1]):
-        ratio = mean / median
-        if ratio <= 1 / limits.gradient_spread:
-            found.append(
-                Evidence(
-                    "vanishing_gradients",
-                    (label(name),),
-                    ratio,
-                    1 / limits.gradient_spread,
-                    f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| {mean:.2e} "
-                    f"per element): its weights barely learn; try residual connections, normalization layers, "
-                    f"ReLU/GELU instead of sigmoid or tanh, or a better initialisation.",
-                )
+    for name in sorted(low, key=lambda n: means[n]):
+        ratio = means[name] / median
+        found.append(
+            Evidence(
+                "vanishing_gradients",
+                (label(name),),
+                ratio,
+                1 / limits.gradient_spread,
+                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
+                f"{means[name]:.2e} per element): its weights barely learn; try residual connections, normalization "
+                f"layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation.",
             )
-    for name, mean in sorted(means.items(), key=lambda item: -item[1]):
-        ratio = mean / median
-        if ratio >= limits.gradient_spread:
-            found.append(
-                Evidence(
-                    "exploding_gradients",
-                    (label(name),),
-                    ratio,
-                    limits.gradient_spread,
-                    f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| {mean:.2e} "
-                    f"per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower learning rate "
-                    f"or warm-up.",
-                )
+        )
+    for name in sorted(high, key=lambda n: -means[n]):
+        ratio = means[name] / median
+        found.append(
+            Evidence(
+                "exploding_gradients",
+                (label(name),),
+                ratio,
+                limits.gradient_spread,
+                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
+                f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
+                f"learning rate or warm-up.",
             )
+        )
     return found
 
 
@@ -228,11 +246,15 @@ def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``."""
     if snap.step == 0:  # the first step moves zero-initialised and freshly initialised weights the most
         return []
+    judged = {
+        name: ratio
+        for name in snap.order
+        if (ratio := snap.ratios.get(name)) is not None
+        and math.isfinite(ratio)
+        and snap.weights.get(name, 0.0) >= 1e-6  # zero-initialised: no scale to judge by
+    }
     found = []
-    for name in snap.order:
-        ratio, weight = snap.ratios.get(name), snap.weights.get(name, 0.0)
-        if ratio is None or not math.isfinite(ratio) or weight < 1e-6:  # zero-initialised: no scale to judge by
-            continue
+    for name, ratio in judged.items():
         if ratio > limits.update_ratio_high:
             found.append(
                 Evidence(
@@ -241,7 +263,8 @@ def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
                     ratio,
                     limits.update_ratio_high,
                     f"each optimizer step changes the weights of `{label(name)}` by {ratio:.1e} of their norm "
-                    f"(healthy: about 1e-3 to 1e-2): the learning rate is too high for it; lower it, or add warm-up.",
+                    f"(healthy: about 1e-3 to 1e-2): the learning rate is too high for it; lower it (its parameter "
+                    f"group's), or add warm-up.",
                 )
             )
         elif ratio < limits.update_ratio_low:
@@ -260,37 +283,50 @@ def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 
 def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """The first layer in model order whose output, or else whose parameter gradient, holds NaN/Inf."""
-    for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
-        bad = [name for name in snap.order if name in table and table[name].nonfinite > 0]
-        if bad:
-            count = table[bad[0]].nonfinite
-            note = f" {snap.nonfinite_note}" if snap.nonfinite_note else ""
-            return [
-                Evidence(
-                    "nonfinite",
-                    tuple(label(n) for n in bad[:SHOWN_LAYERS]),
-                    count,
-                    0.0,
-                    f"the {what} of `{label(bad[0])}` holds {count:.0f} NaN/Inf values (first in model order of "
-                    f"{len(bad)} layer(s)); add `NonFiniteGuard()` to name the operation that made them, and look "
-                    f"for a division by zero, a log or sqrt of a non-positive number, or an overflow.{note}",
-                )
-            ]
+    """NaN/Inf in a layer's output (the first in model order), else in a parameter gradient, or in a step's loss.
+
+    A :class:`NonFiniteGuard` finding in the same Trainer (``snap.guard``) is named first: it saw the
+    step where the values were made, before they spread.
+    """
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
-    if bad_losses:
-        return [
-            Evidence(
-                "nonfinite",
-                ("root",),
-                len(bad_losses),
-                0.0,
-                f"the training loss was NaN/Inf at {len(bad_losses)} step(s) from step {bad_losses[0]}; add "
-                f"`NonFiniteGuard()` to name the layer that made it.",
-                step=bad_losses[0],
+    layers: list[str] = []
+    what = ""
+    for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
+        layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]
+        if layers:
+            count = table[layers[0]].nonfinite
+            said = (
+                f"the {what} of `{label(layers[0])}` holds {count:.0f} NaN/Inf values (first in model order of "
+                f"{len(layers)} layer(s))"
             )
-        ]
-    return []
+            break
+    else:
+        if not bad_losses and snap.guard is None:
+            return []
+        count = float(len(bad_losses))
+        said = (
+            f"the training loss was NaN/Inf at {len(bad_losses)} step(s) from step {bad_losses[0]}"
+            if bad_losses
+            else "a layer made NaN/Inf values"
+        )
+    named = [label(n) for n in layers]
+    note = ""
+    if snap.guard is not None:
+        layer, step, line = snap.guard
+        named = [layer, *(n for n in named if n != layer)]
+        note = f" `NonFiniteGuard` found at step {step}: {line}."
+    first = min([*bad_losses, *([snap.guard[1]] if snap.guard else [])], default=None)
+    return [
+        Evidence(
+            "nonfinite",
+            tuple(named[:SHOWN_LAYERS]) or ("root",),
+            count,
+            0.0,
+            f"{said}; add `NonFiniteGuard()` to name the operation that made them, and look for a division by "
+            f"zero, a log or sqrt of a non-positive number, or an overflow.{note}",
+            step=first,
+        )
+    ]
 
 
 class HealthTracker:
@@ -315,8 +351,11 @@ class HealthTracker:
         self._index: dict[tuple[str, tuple[str, ...]], int] = {}
         self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}
         """Per (check, layers): (first step of the current streak, its length in logging steps)."""
-        self._norm_totals: deque[float] = deque(maxlen=limits.patience + 1)
-        self._layer_norms: deque[dict[str, float]] = deque(maxlen=limits.patience + 1)
+        self._step_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
+        self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
+        self._top_median = 0.0
+        self._previous_step = -1
+        self._last_spike: tuple[int, Evidence] | None = None
         self._first_rms: dict[str, tuple[float, int]] = {}
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
@@ -358,8 +397,19 @@ class HealthTracker:
             del self._streaks[key]
         for e in immediate:
             step = snap.step if e.step is None else e.step
-            new += self._record(e, step, step)
+            going_on = self._going_on(e) if e.check == "nonfinite" else None
+            if going_on is not None:  # NaN spreads: the same finding, wherever it has got to
+                e = replace(e, layers=going_on.layers)
+            new += self._record(e, step, snap.step if e.check == "nonfinite" else step)
+        self._previous_step = snap.step
         return new
+
+    def _going_on(self, e: Evidence) -> HealthFinding | None:
+        """A finding of ``e``'s check that held at the previous logging step."""
+        return next(
+            (f for f in self.findings if f.check == e.check and f.last_step == self._previous_step),
+            None,
+        )
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)
@@ -373,34 +423,54 @@ class HealthTracker:
         return [finding]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
-        """The total gradient norm rising at each of ``patience`` logging steps, by ``norm_growth`` overall."""
-        if not snap.grads:
-            return []
-        total = math.sqrt(math.fsum(max(s.sum_sq, 0.0) for s in snap.grads.values()))
-        norms = {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items()}
-        if not math.isfinite(total):
-            self._norm_totals.clear()
-            self._layer_norms.clear()
-            return []
-        self._norm_totals.append(total)
-        self._layer_norms.append(norms)
-        totals = list(self._norm_totals)
+        """The total gradient norm growing without bound: rising at each of ``patience`` logging steps in a row
+        and ``norm_growth``-fold over them, or rising like that over consecutive steps until it overflowed.
+
+        A logging step's level is the median total of the steps the ring kept since the previous one
+        (the logging step's own total without it); a deep net can go from healthy to ``inf`` between
+        two logging steps, which the ring sees step by step.
+        """
+        found: list[Evidence] = []
+        steps: list[dict[str, float]] = []
+        for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
+            layer_norms = _per_layer(norms, snap.norm_layers)
+            total = math.sqrt(math.fsum(v * v for v in layer_norms.values()))
+            if math.isfinite(total):
+                steps.append(layer_norms)
+                self._step_norms.append((step, layer_norms))
+                continue
+            run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
+            self._step_norms.clear()
+            found += self._grew(run, "steps in a row, then overflowed")
+        # a logging step's level: each layer's median over the ring's steps (the step's own norms without it)
+        level = {n: statistics.median(row[n] for row in steps) for n in steps[0]} if steps else _per_layer_of(snap)
+        if level and all(math.isfinite(v) for v in level.values()):
+            self._logged_norms.append((snap.step, level))
+            found += self._grew(list(self._logged_norms), "logging steps in a row")
+        return found[:1]
+
+    def _grew(self, run: list[tuple[int, dict[str, float]]], how: str) -> list[Evidence]:
+        """Evidence when the last ``patience + 1`` totals of ``run`` rise at each step and ``norm_growth``-fold."""
+        run = run[-(self.limits.patience + 1) :]
+        totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
         if len(totals) <= self.limits.patience or not all(b > a for a, b in zip(totals, totals[1:], strict=False)):
             return []
         growth = totals[-1] / max(totals[0], 1e-30)
         if growth < self.limits.norm_growth:
             return []
-        before = self._layer_norms[0]
-        grew = sorted(norms, key=lambda n: -norms[n] / max(before.get(n, 0.0), 1e-30))[:SHOWN_LAYERS]
+        (first_step, before), (last_step, after) = run[0], run[-1]
+        self._logged_norms.clear()  # the next finding needs a new run of rising norms
+        grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
         return [
             Evidence(
                 "exploding_gradients",
                 tuple(label(n) for n in grew),
                 growth,
                 self.limits.norm_growth,
-                f"the total gradient norm grew {growth:.0f}-fold over the last {self.limits.patience} logging steps "
-                f"(to {total:.3g}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
+                f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
+                f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
                 f"learning rate, or a smaller initialisation.",
+                step=first_step,
             )
         ]
 
@@ -439,7 +509,10 @@ class HealthTracker:
         return found
 
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
-        """Each step whose loss lies ``spike_threshold`` robust deviations above the rolling median."""
+        """Each step whose loss lies ``spike_threshold`` robust deviations above the rolling median.
+
+        A spike on the step right after one is the same spike going on: it extends that finding.
+        """
         found = []
         for i, (step, loss) in enumerate(snap.losses):
             norms = snap.norms[i] if i < len(snap.norms) else []
@@ -448,11 +521,16 @@ class HealthTracker:
             if len(self._losses) >= SPIKE_MIN_HISTORY:
                 history = list(self._losses)
                 median = statistics.median(history)
+                self._top_median = max(self._top_median, median)
                 mad = statistics.median(abs(x - median) for x in history)
-                scale = max(MAD_SCALE * mad, 1e-3 * abs(median), 1e-12)
+                scale = max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold:
-                    found.append(self._spike(step, loss, median, z, norms, snap.norm_layers))
+                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers)
+                    if self._last_spike is not None and self._last_spike[0] == step - 1:
+                        spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
+                    self._last_spike = (step, spike)
+                    found.append(spike)
                     continue  # a spike does not become the level the next steps are judged by
             self._losses.append(loss)
             self._loss_norms.append(norms)
@@ -461,12 +539,24 @@ class HealthTracker:
     def _spike(
         self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]
     ) -> Evidence:
+        """A spike at ``step``, named after the layers whose gradient norm jumped most.
+
+        A layer's jump is the smallest of its parameters' (each against its median over the window):
+        when a layer's output jumps, the weights of the layer after it see a larger input, but its
+        bias sees the same gradient. Of the layers that jumped alike (within :data:`ALIKE` of the
+        largest), the one nearest the output comes first: a jump that enters the backward pass at a
+        layer is carried on to every layer before it.
+        """
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
             past = [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])]
             if j < len(norms) and past:
-                jumps[name] = norms[j] / max(statistics.median(past), 1e-30)
-        worst = sorted(jumps, key=lambda n: -jumps[n])[:SHOWN_LAYERS]
+                jump = _ratio(norms[j], statistics.median(past))
+                jumps[name] = min(jumps.get(name, math.inf), jump)
+        top = max(jumps.values(), default=0.0)
+        alike = [n for n in jumps if jumps[n] >= top / ALIKE and top > 1]
+        order = {n: i for i, n in enumerate(dict.fromkeys(layers))}
+        worst = sorted(alike, key=lambda n: -order[n])[:SHOWN_LAYERS]
         where = (
             f"; the gradient norm jumped most in {_names(worst)} ({jumps[worst[0]]:.3g}× its recent median)"
             if worst
@@ -481,3 +571,20 @@ class HealthTracker:
             f"deviations){where}; look at that batch, lower the learning rate, or clip gradients.",
             step=step,
         )
+
+
+def _ratio(new: float, old: float) -> float:
+    return new / old if old > 0 else (math.inf if new > 0 else 1.0)
+
+
+def _per_layer_of(snap: Snapshot) -> dict[str, float]:
+    """Each layer's gradient norm in the snapshot."""
+    return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items()}
+
+
+def _per_layer(norms: Sequence[float], layers: Sequence[str]) -> dict[str, float]:
+    """Per-parameter norms pooled into their layers' (the 2-norm of the layer's parameters together)."""
+    squares: dict[str, float] = {}
+    for value, name in zip(norms, layers, strict=False):
+        squares[name] = squares.get(name, 0.0) + value * value
+    return {name: math.sqrt(v) for name, v in squares.items()}

@@ -80,7 +80,7 @@ class HealthMonitor(StatsCallback):
             layer's must be (1e3: three orders of magnitude).
         norm_growth: How many times the total gradient norm must grow over ``patience`` logging steps (100).
         update_ratio_low: The lowest healthy ``||Δw|| / ||w||`` per step (1e-6).
-        update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.3).
+        update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.1).
         activation_growth: How many times a layer's output RMS may exceed that of the layers before
             it, or its own at the first logging step (1e3).
         spike_threshold: How many robust deviations above the rolling median a loss spike is (20).
@@ -108,7 +108,7 @@ class HealthMonitor(StatsCallback):
         gradient_spread: float = 1e3,
         norm_growth: float = 100.0,
         update_ratio_low: float = 1e-6,
-        update_ratio_high: float = 0.3,
+        update_ratio_high: float = 0.1,
         activation_growth: float = 1e3,
         spike_threshold: float = 20.0,
         patience: int = 3,
@@ -153,7 +153,7 @@ class HealthMonitor(StatsCallback):
         on = set(self.checks)
         self._watch_outputs = bool(on & ACTIVATION_CHECKS)
         self._watch_grads = bool(on & GRADIENT_CHECKS)
-        self._spikes = "loss_spike" in on
+        self._spikes = bool(on & {"loss_spike", "exploding_gradients"})
         self._acts = ActivationRecorder(self._batch, fired=self._fired, units="dead_units" in on)
         self._grads = ParamGradRecorder(self._batch, update_ratio="update_ratio" in on, weight_norms=True)
         self._ratio_handles = HookHandles()
@@ -164,6 +164,8 @@ class HealthMonitor(StatsCallback):
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
         self._ring: _LossRing | None = None
+        self._checked_until = -1
+        """The last step checked in this fit."""
 
     @property
     def findings(self) -> list[HealthFinding]:
@@ -180,6 +182,7 @@ class HealthMonitor(StatsCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         super()._attach(trainer, pl_module, modules)
         self._tracker = HealthTracker(self.checks, self.thresholds)
+        self._checked_until = -1
         self._leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
         self._params = trainable_parameters(modules)
         owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
@@ -249,6 +252,7 @@ class HealthMonitor(StatsCallback):
         ring_steps = self._ring.hand_over(self._batch) if self._ring is not None else []
         fetched = self._batch.fetch(self._across(trainer, {"act", "units"}))
         snap = self._snapshot(fetched, step, ring_steps, trainer)
+        self._checked_until = step
         new = self._tracker.update(snap)
         for finding in new:
             rank_zero_warn(warning(finding))
@@ -283,19 +287,14 @@ class HealthMonitor(StatsCallback):
         for (group, name), values in fetched.vectors.items():
             if group == "units":
                 units.setdefault(name.split(".out.", 1)[0], values)
-        losses, norms, layers = [], [], []
+        losses: list[tuple[int, float]] = []
+        norms: list[list[float]] = []
         if ring_steps:
-            flat = fetched.vectors[("ring", "loss")]
-            norm_rows = fetched.vectors[("ring", "norms")]
+            flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors[("ring", "norms")]
             width = len(self._params)
-            layers = sorted(set(self._owner.values()), key=self._order.index)
-            column = {
-                layer: [i for i, (name, _) in enumerate(self._params) if self._owner[name] == layer] for layer in layers
-            }
             for i, ring_step in enumerate(ring_steps):
-                row = norm_rows[i * width : (i + 1) * width]
                 losses.append((ring_step, flat[i]))
-                norms.append([math.sqrt(math.fsum(row[j] ** 2 for j in column[layer])) for layer in layers])
+                norms.append(norm_rows[i * width : (i + 1) * width])
         return Snapshot(
             step=step,
             order=self._order,
@@ -306,22 +305,22 @@ class HealthMonitor(StatsCallback):
             weights=weight_norms,
             losses=losses,
             norms=norms,
-            norm_layers=layers,
+            norm_layers=[self._owner[name] for name, _ in self._params],
             leaves_with_params=self._with_params,
-            nonfinite_note=_guard_note(trainer, step),
+            guard=_guard_finding(trainer, self._checked_until, step),
         )
 
 
-def _guard_note(trainer: pl.Trainer, step: int) -> str:
-    """What a :class:`NonFiniteGuard` in the same Trainer found, if it found something up to ``step``."""
+def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
+    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` in the same Trainer found after step
+    ``after``, up to ``step``."""
     from lightning_hooks.callbacks.nonfinite_guard import NonFiniteGuard
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        found = getattr(callback, "last_finding", None) if isinstance(callback, NonFiniteGuard) else None
-        if found is not None and found.step <= step:
-            first = found.lines(found.step)[0]
-            return f"`NonFiniteGuard` found at step {found.step}: {first}"
-    return ""
+        found = callback.last_finding if isinstance(callback, NonFiniteGuard) else None
+        if found is not None and after < found.step <= step:
+            return found.layer, found.step, found.lines(found.step)[0]
+    return None
 
 
 class _LossRing:
