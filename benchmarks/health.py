@@ -150,17 +150,22 @@ def fast_layer() -> Planted:
     return Planted(mlp(), lr=0.05, fast="2")
 
 
-def spike() -> Planted:
-    return Planted(mlp(), tap="2", at_step=95, effect=lambda out: out * 1e3)
+def times_1e3(out: torch.Tensor) -> torch.Tensor:
+    return out * 1e3
 
 
-def nan_injection() -> Planted:
-    def poison(out: torch.Tensor) -> torch.Tensor:
-        out = out.clone()
-        out[0, 0] = float("nan")
-        return out
+def poison(out: torch.Tensor) -> torch.Tensor:
+    out = out.clone()
+    out[0, 0] = float("nan")
+    return out
 
-    return Planted(mlp(), tap="2", at_step=40, once=False, effect=poison)
+
+def planted_model(kind: str, at_step: int, once: bool | None = None) -> Planted:
+    """The MLP with ``net.2``'s output multiplied by 1e3 (``"spike"``, at ``at_step`` only) or holding a NaN
+    (``"nan"``, from ``at_step`` on)."""
+    if kind == "spike":
+        return Planted(mlp(), tap="2", at_step=at_step, once=True if once is None else once, effect=times_1e3)
+    return Planted(mlp(), tap="2", at_step=at_step, once=False if once is None else once, effect=poison)
 
 
 @dataclass
@@ -182,8 +187,8 @@ def planted(steps: int) -> list[Case]:
         Case("lr x100 in one layer", lambda: (fast_layer(), None), 60, "update_ratio", "net.2"),
         Case("digits CNN, Adam lr x100", lambda: (DigitsCNN(lr=1.0), DigitsDataModule()), 100, "any"),
         Case("one layer's weights x1e4", lambda: (hot_layer(), None), 60, "activation_growth", "net.2"),
-        Case("x1e3 at one step", lambda: (spike(), None), 110, "loss_spike", "net.2"),
-        Case("NaN injection", lambda: (nan_injection(), None), 60, "nonfinite", "net.2"),
+        Case("x1e3 at one step", lambda: (planted_model("spike", 95), None), 110, "loss_spike", "net.2"),
+        Case("NaN injection", lambda: (planted_model("nan", 40), None), 60, "nonfinite", "net.2"),
     ]
 
 

@@ -360,7 +360,8 @@ class HealthTracker:
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
         self.affected: dict[str, int] = {}
-        """Per check, how many layers the latest snapshot found affected (persistent or not)."""
+        """Per check, how many layers the findings made or extended by the latest snapshot name."""
+        self._touched: set[tuple[str, tuple[str, ...]]] = set()
 
     def update(self, snap: Snapshot) -> list[HealthFinding]:
         """Apply the checks to ``snap``; the findings that are new (not extensions of earlier ones)."""
@@ -381,9 +382,7 @@ class HealthTracker:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
             immediate += self._loss_spikes(snap)
-        self.affected = {check: 0 for check in self.checks}
-        for e in persistent + immediate:
-            self.affected[e.check] = self.affected.get(e.check, 0) + len(e.layers)
+        self._touched: set[tuple[str, tuple[str, ...]]] = set()
         new: list[HealthFinding] = []
         held = set()
         for e in persistent:
@@ -402,6 +401,10 @@ class HealthTracker:
                 e = replace(e, layers=going_on.layers)
             new += self._record(e, step, snap.step if e.check == "nonfinite" else step)
         self._previous_step = snap.step
+        layers: dict[str, set[str]] = {check: set() for check in self.checks}
+        for check, names in self._touched:
+            layers[check].update(names)
+        self.affected = {check: len(names) for check, names in layers.items()}
         return new
 
     def _going_on(self, e: Evidence) -> HealthFinding | None:
@@ -413,6 +416,7 @@ class HealthTracker:
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)
+        self._touched.add(key)
         index = self._index.get(key)
         if index is not None:
             self.findings[index] = replace(self.findings[index], last_step=last, value=e.value, message=e.message)
@@ -441,7 +445,7 @@ class HealthTracker:
                 continue
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
-            found += self._grew(run, "steps in a row, then overflowed")
+            found += self._grew(run, "steps in a row, then overflowed", overflowed=True)
         # a logging step's level: each layer's median over the ring's steps (the step's own norms without it)
         level = {n: statistics.median(row[n] for row in steps) for n in steps[0]} if steps else _per_layer_of(snap)
         if level and all(math.isfinite(v) for v in level.values()):
@@ -449,11 +453,13 @@ class HealthTracker:
             found += self._grew(list(self._logged_norms), "logging steps in a row")
         return found[:1]
 
-    def _grew(self, run: list[tuple[int, dict[str, float]]], how: str) -> list[Evidence]:
-        """Evidence when the last ``patience + 1`` totals of ``run`` rise at each step and ``norm_growth``-fold."""
-        run = run[-(self.limits.patience + 1) :]
+    def _grew(self, run: list[tuple[int, dict[str, float]]], how: str, overflowed: bool = False) -> list[Evidence]:
+        """Evidence when the last ``patience + 1`` totals of ``run`` rise at each step and ``norm_growth``-fold;
+        a run that ``overflowed`` needs only its last three (two rises) to."""
+        length = 3 if overflowed else self.limits.patience + 1
+        run = run[-length:]
         totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
-        if len(totals) <= self.limits.patience or not all(b > a for a, b in zip(totals, totals[1:], strict=False)):
+        if len(totals) < length or not all(b > a for a, b in zip(totals, totals[1:], strict=False)):
             return []
         growth = totals[-1] / max(totals[0], 1e-30)
         if growth < self.limits.norm_growth:

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks import _validate
@@ -16,6 +16,7 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks._health_report import COLUMNS, rows, summary, warning
 from lightning_hooks._select import label, trainable_parameters
+from lightning_hooks._sink import echo
 from lightning_hooks._stats import STATS, Fetched, State, combine
 from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
 
@@ -153,7 +154,7 @@ class HealthMonitor(StatsCallback):
         on = set(self.checks)
         self._watch_outputs = bool(on & ACTIVATION_CHECKS)
         self._watch_grads = bool(on & GRADIENT_CHECKS)
-        self._spikes = bool(on & {"loss_spike", "exploding_gradients"})
+        self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
         self._acts = ActivationRecorder(self._batch, fired=self._fired, units="dead_units" in on)
         self._grads = ParamGradRecorder(self._batch, update_ratio="update_ratio" in on, weight_norms=True)
         self._ratio_handles = HookHandles()
@@ -236,7 +237,7 @@ class HealthMonitor(StatsCallback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)
         if self._enabled:
-            rank_zero_info(summary(self.findings, trainer.global_step))
+            echo(summary(self.findings, trainer.global_step))
 
     @override
     def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
