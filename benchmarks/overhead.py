@@ -10,8 +10,8 @@ a ResNet-style CNN with 28 modules, and (``--workloads encoder24``, not run by d
 24-layer encoder with 486 parameter tensors and 342 modules. Variants: a hand-written PyTorch
 loop (the limit), the Lightning fit without callbacks, each callback alone and all five together
 at each logging frequency, ``HealthMonitor`` with every check and without ``loss_spike`` (the one
-check that keeps something on every step), an empty ``Callback`` (what Lightning charges any callback), ``gradient_clip_val``
-(value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
+check that keeps something on every step), an empty ``Callback`` (what Lightning charges any callback),
+``gradient_clip_val`` (value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
 
 Two measures:
 

@@ -43,7 +43,8 @@ def test_dead_units_are_named_in_the_relu_with_one_finding_warned_once_and_logge
     [dead] = only(monitor.findings, "dead_units")
     assert dead.layers == ("net.1",)
     assert (dead.step, dead.last_step) == (0, 30)  # one finding, held since step 0, advanced to the last check
-    assert dead.value == 1.0 and dead.threshold == 0.25
+    assert dead.value == 1.0
+    assert dead.threshold == 0.25
     assert "LeakyReLU" in dead.message
     assert sum("dead_units" in w for w in warned) == 1
     assert scalars(tmp_path, "health/dead_units") == {s: 1.0 if s >= 10 else 0.0 for s in range(0, 31, 5)}
@@ -65,7 +66,8 @@ def test_vanishing_gradients_name_the_first_layer_of_a_deep_sigmoid_mlp(tmp_path
 def test_exploding_gradients_are_seen_between_logging_steps_before_the_overflow(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, planted.deep_linear, steps=11, every=10)
     [exploding] = only(monitor.findings, "exploding_gradients")
-    assert exploding.step < 5 and exploding.value >= exploding.threshold == 100
+    assert exploding.step < 5
+    assert exploding.value >= exploding.threshold == 100
     assert only(monitor.findings, "nonfinite")
 
 
@@ -84,7 +86,8 @@ def test_activation_growth_names_the_layer_that_grew(tmp_path: Path) -> None:
 def test_a_loss_spike_on_a_quiet_step_is_found_at_its_step_and_attributed(tmp_path: Path) -> None:
     monitor, warned = fit(tmp_path, lambda: planted.planted_model("spike", at_step=33), steps=41, every=10)
     [spike] = only(monitor.findings, "loss_spike")
-    assert spike.step == 33 and spike.layers[0] == "net.2"
+    assert spike.step == 33
+    assert spike.layers[0] == "net.2"
     assert spike.value > spike.threshold == 20
     assert scalars(tmp_path, "health/loss_spike")[40] == len(spike.layers)
     assert any("loss_spike" in w for w in warned)
@@ -93,7 +96,9 @@ def test_a_loss_spike_on_a_quiet_step_is_found_at_its_step_and_attributed(tmp_pa
 def test_nonfinite_names_the_first_layer_in_model_order_and_stays_one_finding(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, lambda: planted.planted_model("nan", at_step=10), steps=21)
     [nonfinite] = only(monitor.findings, "nonfinite")
-    assert nonfinite.layers[0] == "net.2" and nonfinite.step == 10 and nonfinite.last_step == 20
+    assert nonfinite.layers[0] == "net.2"
+    assert nonfinite.step == 10
+    assert nonfinite.last_step == 20
 
 
 def test_nonfinite_names_what_a_nonfinite_guard_in_the_same_trainer_found(tmp_path: Path) -> None:
@@ -105,9 +110,11 @@ def test_nonfinite_names_what_a_nonfinite_guard_in_the_same_trainer_found(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(tmp_path, [guard, monitor], max_steps=11, log_every_n_steps=5).fit(model)
-    assert guard.last_finding is not None and guard.last_finding.step == 7
+    assert guard.last_finding is not None
+    assert guard.last_finding.step == 7
     [nonfinite] = only(monitor.findings, "nonfinite")
-    assert nonfinite.layers == ("net.2",) and nonfinite.step == 7
+    assert nonfinite.layers == ("net.2",)
+    assert nonfinite.step == 7
     assert "`NonFiniteGuard` found at step 7" in nonfinite.message
 
 
@@ -117,7 +124,8 @@ def test_a_healthy_fit_finds_nothing_says_so_and_leaves_no_hook(
     model = TinyNet(n=64)
     before = hook_state(model)
     monitor, warned = fit(tmp_path, lambda: model, steps=12, every=2, exclude=["unused"])
-    assert monitor.findings == [] and warned == []
+    assert monitor.findings == []
+    assert warned == []
     assert "HealthMonitor: no problems found in 12 steps." in capsys.readouterr().out
     assert hook_state(model) == before
     assert set(scalars(tmp_path, "health/nonfinite")) == {0, 2, 4, 6, 8, 10}
