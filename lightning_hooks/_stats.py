@@ -349,6 +349,10 @@ class Across(NamedTuple):
     reduce: Callable[[torch.Tensor, str], torch.Tensor]
 
 
+_LENGTH = "\0"
+"""Separates a vector's name from its length in the keys processes agree on."""
+
+
 class Fetched(NamedTuple):
     """A step's statistics on the host."""
 
@@ -431,8 +435,16 @@ class StatBatch:
         )
         local = list(observations)
         shared: list[Key] = []
-        if across is not None:
-            shared = across.agree(sorted(k for k in local if k[0] in across.groups))
+        shared_vectors: list[tuple[Key, int]] = []
+        if across is not None:  # one agreement for the states and the vectors (a vector's key carries its length)
+            mine = sorted(k for k in local if k[0] in across.groups)
+            mine += sorted((g, f"{n}{_LENGTH}{v.numel()}") for (g, n), v in vectors.items() if g in across.groups)
+            for group, name in across.agree(mine):
+                if _LENGTH in name:
+                    name, _, length = name.rpartition(_LENGTH)
+                    shared_vectors.append(((group, name), int(length)))
+                else:
+                    shared.append((group, name))
             local = [k for k in local if k[0] not in across.groups]
         parts: list[torch.Tensor] = []
         if local:
@@ -447,8 +459,16 @@ class StatBatch:
         parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
             parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
-        vector_keys, vector_parts = _vectors(vectors, across, device)
-        parts.extend(vector_parts)
+        vector_keys = [(k, v.numel()) for k, v in vectors.items() if across is None or k[0] not in across.groups]
+        parts.extend(vectors[k].to(device) for k, _ in vector_keys)
+        if shared_vectors:
+            assert across is not None
+            zeros = torch.zeros(0, dtype=torch.float64, device=device)
+            pooled = torch.cat(
+                [vectors[k].to(device) if k in vectors else zeros.new_zeros(n) for k, n in shared_vectors]
+            )
+            parts.append(across.reduce(pooled, "sum"))
+            vector_keys += shared_vectors
         if not parts:
             return Fetched({}, {}, {})
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
@@ -469,33 +489,6 @@ class StatBatch:
             found_vectors[key] = flat[offset : offset + length]
             offset += length
         return Fetched(found, hists, scalars, found_vectors)
-
-
-def _vectors(
-    vectors: dict[Key, torch.Tensor], across: Across | None, device: torch.device
-) -> tuple[list[tuple[Key, int]], list[torch.Tensor]]:
-    """``(key, length)`` of each vector to fetch and the vectors themselves, those of ``across``'s groups summed
-    over processes (keys and lengths agreed first: a process that lacks a key contributes zeros)."""
-    local = [k for k in vectors if across is None or k[0] not in across.groups]
-    keys = [(k, vectors[k].numel()) for k in local]
-    parts = [vectors[k] if vectors[k].device == device else vectors[k].to(device) for k in local]
-    if across is not None:
-        mine = sorted(
-            (group, f"{name}\0{vectors[group, name].numel()}") for group, name in vectors if group in across.groups
-        )
-        agreed = [
-            ((group, coded.rpartition("\0")[0]), int(coded.rpartition("\0")[2])) for group, coded in across.agree(mine)
-        ]
-        if agreed:
-            shared = torch.cat(
-                [
-                    vectors[k].to(device) if k in vectors else torch.zeros(n, dtype=torch.float64, device=device)
-                    for k, n in agreed
-                ]
-            )
-            keys += agreed
-            parts.append(across.reduce(shared, "sum"))
-    return keys, parts
 
 
 def _pooled(keys: list[Key], observations: dict[Key, list[Observation]], device: torch.device) -> torch.Tensor:
