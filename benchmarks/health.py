@@ -232,20 +232,24 @@ def detected(case: Case, findings: list[HealthFinding]) -> bool:
     return worst.layers[0] == case.layer
 
 
-def describe(findings: list[HealthFinding]) -> str:
-    return "; ".join(f"{f.check} {', '.join(f.layers)} @{f.step}" for f in findings) or "none"
+def describe(findings: list[HealthFinding], shown: int = 4) -> str:
+    """The first ``shown`` findings as ``check layers @step``, and how many more."""
+    said = [f"{f.check} {', '.join(f.layers)} @{f.step}" for f in findings[:shown]]
+    more = f" (+{len(findings) - shown} more: {', '.join(sorted({f.check for f in findings[shown:]}))})"
+    return "; ".join(said) + (more if len(findings) > shown else "") or "none"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="steps of each healthy run")
     parser.add_argument("--quick", action="store_true", help="healthy runs of 30 steps (a smoke run)")
+    parser.add_argument("--only", nargs="*", metavar="RUN", help="run only these runs (names as in the table)")
     args = parser.parse_args()
     steps = 30 if args.quick else args.steps
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    cases = planted(steps) + healthy(steps)
+    cases = [c for c in planted(steps) + healthy(steps) if not args.only or c.name in args.only]
     results: list[tuple[Case, list[HealthFinding], float]] = []
     with tempfile.TemporaryDirectory() as root:
         for case in cases:
