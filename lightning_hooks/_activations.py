@@ -36,22 +36,19 @@ class ActivationRecorder:
         [('act', '1')]
     """
 
-    def __init__(
-        self, batch: StatBatch, histograms: bool = False, fired: set[str] | None = None, units: bool = False
-    ) -> None:
-        self.batch, self.histograms, self.units = batch, histograms, units
+    def __init__(self, batch: StatBatch, histograms: bool = False, fired: set[str] | None = None) -> None:
+        self.batch, self.histograms = batch, histograms
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("act")
-        self.unit_keys = OutputKeys("units")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
-            handles.add(module.register_forward_hook(_ActivationHook(self, name, channels_first(module))))
+            handles.add(module.register_forward_hook(_ActivationHook(self, name)))
 
 
 class _ActivationHook:
-    def __init__(self, recorder: ActivationRecorder, name: str, channels_first: bool = False) -> None:
-        self.recorder, self.name, self.channels_first = recorder, name, channels_first
+    def __init__(self, recorder: ActivationRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
@@ -61,35 +58,81 @@ class _ActivationHook:
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
                 recorder.batch.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
-                if recorder.units and tensor.dim() >= 2:
-                    counts = fired_per_unit(tensor, self.channels_first)
-                    recorder.batch.add_vector(recorder.unit_keys.key(self.name, path), counts)
+
+
+class UnitRecorder:
+    """Per output unit of each hooked module, how many of its values were non-zero and their sum of squares.
+
+    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, and
+    ``(N, C, L)`` out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``,
+    ``(N, T, F)``). Each floating-point output of at least two dimensions becomes one vector under
+    ``("units", <layer>[.out.<path>])``: ``[non-zero count of each unit, sum of squares of each unit]``,
+    pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes. A unit whose count
+    stays zero was zero for every sample of the batch; the sums of squares give the output's RMS, and
+    are not finite when a value is NaN or Inf. Three reductions per output, against
+    :class:`ActivationRecorder`'s six statistics. ``samples`` counts, on the host, how many values
+    each unit of a key saw in this process since :meth:`start`.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_hooks._stats import StatBatch
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> recorder, relu = UnitRecorder(batch), nn.ReLU()
+        >>> with HookHandles() as handles:
+        ...     recorder.attach([("relu", relu)], handles)
+        ...     _ = relu(torch.tensor([[-1.0, 1.0, 0.0], [-2.0, 2.0, 3.0]]))
+        >>> batch.fetch().vectors[("units", "relu")], recorder.samples
+        ([0.0, 2.0, 1.0, 0.0, 5.0, 9.0], {('units', 'relu'): 2})
+    """
+
+    def __init__(self, batch: StatBatch, fired: set[str] | None = None) -> None:
+        self.batch = batch
+        self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("units")
+        self.samples: dict[tuple[str, str], int] = {}
+
+    def start(self) -> None:
+        self.samples = {}
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        for name, module in modules:
+            handles.add(module.register_forward_hook(_UnitHook(self, name, channels_first(module))))
+
+
+class _UnitHook:
+    def __init__(self, recorder: UnitRecorder, name: str, channels_first: bool) -> None:
+        self.recorder, self.name, self.channels_first = recorder, name, channels_first
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if in_backward():  # activation checkpointing re-running forward
+            return
+        recorder = self.recorder
+        recorder.fired.add(self.name)
+        if not recorder.batch.open:
+            return
+        for path, tensor in named_tensors(output):
+            if tensor.is_floating_point() and tensor.dim() >= 2:
+                x = tensor.detach()
+                dim = unit_dim(x, self.channels_first)
+                others = [d for d in range(x.dim()) if d != dim]
+                key = recorder.keys.key(self.name, path)
+                fired = x.ne(0).sum(others, dtype=torch.float32)
+                squares = torch.linalg.vector_norm(x, 2, dim=others).square_()
+                recorder.batch.add_vector(key, torch.cat([fired, squares]))
+                recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
 
 
 _CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def channels_first(module: nn.Module) -> bool:
-    """Whether the module's 3-d outputs are ``(batch, channels, length)`` (1-d convolutions and their norms)
-    rather than ``(batch, sequence, features)``."""
+    """Whether the module's 3-d outputs are ``(batch, channels, length)`` (1-d convolutions, their norms and
+    poolings) rather than ``(batch, sequence, features)``."""
     return isinstance(module, _CHANNELS_FIRST) or type(module).__name__.endswith(("Pool1d", "Pool2d", "Pool3d"))
 
 
 def unit_dim(t: torch.Tensor, channels_first: bool = False) -> int:
-    """The dimension of ``t`` that holds a layer's units: channels of an image or volume map (``(N, C, H, W)``,
-    ``(N, C, D, H, W)``) and of a 1-d convolution's output, features of anything else (``(N, F)``, ``(N, T, F)``)."""
+    """The dimension of ``t`` that holds a layer's units (see :class:`UnitRecorder`)."""
     return 1 if t.dim() in (4, 5) or (t.dim() == 3 and channels_first) else t.dim() - 1
-
-
-def fired_per_unit(t: torch.Tensor, channels_first: bool = False) -> torch.Tensor:
-    """For each unit of ``t`` (see :func:`unit_dim`), how many of its values are non-zero, on ``t``'s device.
-
-    Example::
-
-        >>> fired_per_unit(torch.tensor([[0.0, 1.0, 0.0], [0.0, 2.0, 3.0]]))
-        tensor([0., 2., 1.])
-    """
-    x = t.detach()
-    dim = unit_dim(x, channels_first)
-    others = [d for d in range(x.dim()) if d != dim]
-    return x.ne(0).sum(others, dtype=torch.float32)

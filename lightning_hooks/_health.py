@@ -21,7 +21,8 @@ The thresholds and where they come from (README, "HealthMonitor"):
   of thumb, small models under Adam run near 1e-2. Step 0 and zero-initialised layers are not judged.
 * ``activation_growth``: a layer's output RMS above ``activation_growth`` (1e3) times the median of
   the layers before it (depth), or times its own RMS at the first logging step (time).
-* ``nonfinite``: any NaN/Inf in a layer's output or a layer's parameter gradient, or a non-finite loss.
+* ``nonfinite``: any NaN/Inf in a layer's output or a layer's parameter gradient, or a non-finite loss
+  (the value: how many layers, or how many steps' losses).
 * ``loss_spike``: a step's loss more than ``spike_threshold`` (20) robust standard deviations
   (``1.4826 × MAD``) above the median of the previous ``SPIKE_WINDOW`` steps' losses.
 """
@@ -294,10 +295,9 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
         layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]
         if layers:
-            count = table[layers[0]].nonfinite
+            count = float(len(layers))
             said = (
-                f"the {what} of `{label(layers[0])}` holds {count:.0f} NaN/Inf values (first in model order of "
-                f"{len(layers)} layer(s))"
+                f"the {what} of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
             )
             break
     else:
@@ -382,7 +382,7 @@ class HealthTracker:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
             immediate += self._loss_spikes(snap)
-        self._touched: set[tuple[str, tuple[str, ...]]] = set()
+        self._touched = set()
         new: list[HealthFinding] = []
         held = set()
         for e in persistent:

@@ -441,8 +441,8 @@ class StatBatch:
             mine += sorted((g, f"{n}{_LENGTH}{v.numel()}") for (g, n), v in vectors.items() if g in across.groups)
             for group, name in across.agree(mine):
                 if _LENGTH in name:
-                    name, _, length = name.rpartition(_LENGTH)
-                    shared_vectors.append(((group, name), int(length)))
+                    vector, _, length = name.rpartition(_LENGTH)
+                    shared_vectors.append(((group, vector), int(length)))
                 else:
                     shared.append((group, name))
             local = [k for k in local if k[0] not in across.groups]
@@ -485,9 +485,9 @@ class StatBatch:
         scalars = dict(zip(extra, flat[offset : offset + len(extra)], strict=True))
         offset += len(extra)
         found_vectors: dict[Key, list[float]] = {}
-        for key, length in vector_keys:
-            found_vectors[key] = flat[offset : offset + length]
-            offset += length
+        for key, size in vector_keys:
+            found_vectors[key] = flat[offset : offset + size]
+            offset += size
         return Fetched(found, hists, scalars, found_vectors)
 
 

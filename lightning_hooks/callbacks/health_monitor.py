@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks import _validate
-from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks._activations import UnitRecorder
 from lightning_hooks._gradients import ParamGradRecorder
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
@@ -155,7 +155,7 @@ class HealthMonitor(StatsCallback):
         self._watch_outputs = bool(on & ACTIVATION_CHECKS)
         self._watch_grads = bool(on & GRADIENT_CHECKS)
         self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
-        self._acts = ActivationRecorder(self._batch, fired=self._fired, units="dead_units" in on)
+        self._units = UnitRecorder(self._batch, fired=self._fired)
         self._grads = ParamGradRecorder(self._batch, update_ratio="update_ratio" in on, weight_norms=True)
         self._ratio_handles = HookHandles()
         self._leaves: list[tuple[str, nn.Module]] = []
@@ -206,11 +206,12 @@ class HealthMonitor(StatsCallback):
     @override
     def _start_step(self) -> None:
         self._grads.start()
+        self._units.start()
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._watch_outputs:
-            self._acts.attach(self._leaves, self._step_handles)
+            self._units.attach(self._leaves, self._step_handles)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -251,7 +252,7 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._check_fired(trainer, step)
         ring_steps = self._ring.hand_over(self._batch) if self._ring is not None else []
-        fetched = self._batch.fetch(self._across(trainer, {"act", "units"}))
+        fetched = self._batch.fetch(self._across(trainer, {"units"}))
         snap = self._snapshot(fetched, step, ring_steps, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
@@ -266,11 +267,21 @@ class HealthMonitor(StatsCallback):
 
     def _snapshot(self, fetched: Fetched, step: int, ring_steps: list[int], trainer: pl.Trainer) -> Snapshot:
         outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
+        units: dict[str, list[float]] = {}
+        for key, values in fetched.vectors.items():
+            if key[0] != "units":
+                continue
+            layer, width = key[1].split(".out.", 1)[0], len(values) // 2
+            sum_sq = math.fsum(values[width:])
+            # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
+            numel = float(self._units.samples.get(key, 0) * width * trainer.world_size)
+            outputs.setdefault(layer, []).append(
+                State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
+            )
+            units.setdefault(layer, values[:width])
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for (group, name), state in fetched.states.items():
-            if group == "act":
-                outputs.setdefault(name.split(".out.", 1)[0], []).append(state)
-            elif group == "param":
+            if group == "param":
                 params.setdefault(self._owner.get(name, name), []).append(state)
         changes: dict[str, list[float]] = {}
         weights: dict[str, list[float]] = {}
@@ -284,10 +295,6 @@ class HealthMonitor(StatsCallback):
         for layer, squares in weights.items():
             weight_norms[layer] = math.sqrt(math.fsum(squares))
             ratios[layer] = math.sqrt(math.fsum(changes[layer])) / max(weight_norms[layer], 1e-12)
-        units: dict[str, list[float]] = {}
-        for (group, name), values in fetched.vectors.items():
-            if group == "units":
-                units.setdefault(name.split(".out.", 1)[0], values)
         losses: list[tuple[int, float]] = []
         norms: list[list[float]] = []
         if ring_steps:
@@ -325,39 +332,43 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 
 
 class _LossRing:
-    """Each optimizer step's loss and per-parameter gradient norms, written on device into a ring of ``size`` rows.
+    """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
-    Nothing is read on a quiet step: :meth:`hand_over` puts the rows written since the previous
-    hand-over into the logging step's batch, which fetches them with everything else.
+    A quiet step costs a ``detach`` of its loss, one ``torch._foreach_norm`` of the gradients and a
+    ``stack`` of the norms; nothing is read: :meth:`hand_over` puts the steps kept since the
+    previous hand-over into the logging step's batch, which fetches them with everything else.
+    At most ``size`` steps are kept (the oldest go first).
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
         self.params, self.size = params, size
-        self.losses = torch.zeros(size, dtype=torch.float32, device=device)
-        self.grad_norms = torch.zeros(size, len(params), dtype=torch.float32, device=device)
         self.zero = torch.zeros((), device=device)
-        self.steps: list[int] = []
-        """The steps written since the last hand-over, oldest first."""
+        self.missing = torch.full((len(params),), math.nan, device=device)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.grad_norms: dict[int, torch.Tensor] = {}
         self._loss_step = -1
 
     def loss(self, step: int, loss: torch.Tensor) -> None:
-        slot = self.losses[step % self.size]
         if step == self._loss_step:  # a further micro-batch of the step (Lightning divides each by their count)
-            slot.add_(loss.detach())
-        else:
-            slot.copy_(loss.detach())
-            self._loss_step = step
-            self.steps.append(step)
-            del self.steps[: -self.size]
+            self.losses[step] = self.losses[step] + loss.detach()
+            return
+        self.losses[step] = loss.detach()
+        self._loss_step = step
+        if len(self.losses) > self.size:
+            oldest = min(self.losses)
+            del self.losses[oldest]
+            self.grad_norms.pop(oldest, None)
 
     def norms(self, step: int) -> None:
-        grads = [p.grad if p.grad is not None else self.zero for p in self.params]
-        torch.stack(torch._foreach_norm(grads), out=self.grad_norms[step % self.size])
+        if step not in self.grad_norms:  # the first optimizer of the step
+            zero = self.zero
+            grads = [zero if p.grad is None else p.grad for p in self.params]
+            self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
 
     def hand_over(self, batch: Any) -> list[int]:
-        steps, self.steps = self.steps, []
+        steps = sorted(self.losses)
         if steps:
-            slots = torch.tensor([s % self.size for s in steps], device=self.losses.device)
-            batch.add_vector(("ring", "loss"), self.losses.index_select(0, slots))
-            batch.add_vector(("ring", "norms"), self.grad_norms.index_select(0, slots))
+            batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
+            batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms.get(s, self.missing) for s in steps]))
+        self.losses, self.grad_norms = {}, {}
         return steps
