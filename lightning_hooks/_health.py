@@ -437,6 +437,9 @@ class HealthTracker:
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
+            if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
+                self._step_norms.clear()
+                continue
             layer_norms = _per_layer(norms, snap.norm_layers)
             total = math.sqrt(math.fsum(v * v for v in layer_norms.values()))
             if math.isfinite(total):
@@ -539,8 +542,19 @@ class HealthTracker:
                     found.append(spike)
                     continue  # a spike does not become the level the next steps are judged by
             self._losses.append(loss)
-            self._loss_norms.append(norms)
+            if norms:
+                self._loss_norms.append(norms)
         return found
+
+    def spike_line(self) -> float:
+        """Half-way to a spike by the current history: a loss above it may be one (``-inf`` before the history)."""
+        if len(self._losses) < SPIKE_MIN_HISTORY:
+            return -math.inf
+        history = list(self._losses)
+        median = statistics.median(history)
+        mad = statistics.median(abs(x - median) for x in history)
+        scale = max(MAD_SCALE * mad, SPIKE_FLOOR * max(self._top_median, median), 1e-12)
+        return median + 0.5 * self.limits.spike_threshold * scale
 
     def _spike(
         self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]

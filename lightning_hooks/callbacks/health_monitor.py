@@ -223,7 +223,7 @@ class HealthMonitor(StatsCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._ring is not None:
-            self._ring.norms(trainer.global_step)
+            self._ring.norms(trainer.global_step, self.gate.is_open)
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._grads.record(self._params, optimizer, self._ratio_handles)
 
@@ -251,11 +251,13 @@ class HealthMonitor(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self._watch_outputs:
             self._check_fired(trainer, step)
-        ring_steps = self._ring.hand_over(self._batch) if self._ring is not None else []
+        ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         fetched = self._batch.fetch(self._across(trainer, {"units"}))
-        snap = self._snapshot(fetched, step, ring_steps, trainer)
+        snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
+        if self._ring is not None:
+            self._ring.line = self._tracker.spike_line()
         for finding in new:
             rank_zero_warn(warning(finding))
         if new:
@@ -265,7 +267,9 @@ class HealthMonitor(StatsCallback):
         affected = self._tracker.affected
         self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
 
-    def _snapshot(self, fetched: Fetched, step: int, ring_steps: list[int], trainer: pl.Trainer) -> Snapshot:
+    def _snapshot(
+        self, fetched: Fetched, step: int, ring_steps: list[int], with_norms: set[int], trainer: pl.Trainer
+    ) -> Snapshot:
         outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
         units: dict[str, list[float]] = {}
         for key, values in fetched.vectors.items():
@@ -298,11 +302,12 @@ class HealthMonitor(StatsCallback):
         losses: list[tuple[int, float]] = []
         norms: list[list[float]] = []
         if ring_steps:
-            flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors[("ring", "norms")]
-            width = len(self._params)
+            flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors.get(("ring", "norms"), [])
+            width, row = len(self._params), 0
             for i, ring_step in enumerate(ring_steps):
                 losses.append((ring_step, flat[i]))
-                norms.append(norm_rows[i * width : (i + 1) * width])
+                norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
+                row += ring_step in with_norms
         return Snapshot(
             step=step,
             order=self._order,
@@ -334,16 +339,24 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 class _LossRing:
     """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
-    A quiet step costs a ``detach`` of its loss, one ``torch._foreach_norm`` of the gradients and a
-    ``stack`` of the norms; nothing is read: :meth:`hand_over` puts the steps kept since the
-    previous hand-over into the logging step's batch, which fetches them with everything else.
-    At most ``size`` steps are kept (the oldest go first).
+    A step costs a ``detach`` of its loss and, where norms are taken, one ``torch._foreach_norm`` of
+    the gradients and a ``stack`` of the norms; nothing is read from the device:
+    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's
+    batch, which fetches them with everything else. At most ``size`` steps are kept.
+
+    On an accelerator the norms are taken on every step (one fused kernel). On a CPU, where
+    ``_foreach_norm`` is a loop over the parameters and the loss already is in host memory
+    (reading it makes nobody wait), they are taken only where attribution can need them: on a step
+    whose loss is above ``line`` (half-way to a spike, as judged at the last logging step) or not
+    finite, on logging steps (the level jumps are measured against), and on every step until the
+    spike check has its history.
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
         self.params, self.size = params, size
+        self.gated = device.type == "cpu"
+        self.line = -math.inf
         self.zero = torch.zeros((), device=device)
-        self.missing = torch.full((len(params),), math.nan, device=device)
         self.losses: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
         self._loss_step = -1
@@ -359,16 +372,24 @@ class _LossRing:
             del self.losses[oldest]
             self.grad_norms.pop(oldest, None)
 
-    def norms(self, step: int) -> None:
-        if step not in self.grad_norms:  # the first optimizer of the step
-            zero = self.zero
-            grads = [zero if p.grad is None else p.grad for p in self.params]
-            self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
+    def norms(self, step: int, logging: bool) -> None:
+        if step in self.grad_norms:  # a further optimizer of the step
+            return
+        if self.gated and not logging and step in self.losses:
+            value = float(self.losses[step])  # host memory on a CPU: no device to wait for
+            if value <= self.line:  # False for NaN
+                return
+        zero = self.zero
+        grads = [zero if p.grad is None else p.grad for p in self.params]
+        self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
 
-    def hand_over(self, batch: Any) -> list[int]:
+    def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
+        """The steps kept since the last hand-over and those of them with norms, whose values go into ``batch``."""
         steps = sorted(self.losses)
+        with_norms = [s for s in steps if s in self.grad_norms]
         if steps:
             batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
-            batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms.get(s, self.missing) for s in steps]))
+        if with_norms:
+            batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms[s] for s in with_norms]))
         self.losses, self.grad_norms = {}, {}
-        return steps
+        return steps, set(with_norms)
