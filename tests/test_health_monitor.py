@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from benchmarks import health as planted
 from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
@@ -212,3 +213,22 @@ def test_the_summary_has_a_line_per_finding() -> None:
         "HealthMonitor: 1 problem(s) found in 10 steps:",
         "  nonfinite in fc1 (steps 4-9): Look at fc1.",
     ]
+
+
+def test_on_a_cpu_the_ring_takes_norms_only_where_a_spike_could_need_them() -> None:
+    from lightning_hooks._stats import StatBatch
+    from lightning_hooks.callbacks.health_monitor import _LossRing
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    ring = _LossRing([weight], size=8, device=torch.device("cpu"))
+    ring.line = 1.0
+    for step, loss, logging in [(0, 0.5, True), (1, 0.5, False), (2, 3.0, False), (3, math.nan, False)]:
+        ring.loss(step, torch.tensor(loss))
+        ring.norms(step, logging)
+    batch = StatBatch()
+    batch.start()
+    assert ring.hand_over(batch) == ([0, 1, 2, 3], {0, 2, 3})  # not step 1: quiet, below the line
+    fetched = batch.fetch()
+    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 3)
+    assert fetched.vectors[("ring", "loss")][:3] == [0.5, 0.5, 3.0]
