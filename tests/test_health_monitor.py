@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
 from lightning_hooks._health import HealthTracker, Snapshot, Thresholds, dead_units, gradient_spread
 from lightning_hooks._health_report import summary
 from lightning_hooks._stats import State
-from tests.helpers import TinyNet, hook_state, make_trainer, scalars, texts
+from tests.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
 
 
 def fit(
@@ -232,3 +233,11 @@ def test_on_a_cpu_the_ring_takes_norms_only_where_a_spike_could_need_them() -> N
     fetched = batch.fetch()
     assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 3)
     assert fetched.vectors[("ring", "loss")][:3] == [0.5, 0.5, 3.0]
+
+
+def test_the_monitor_pickles_during_fit_without_the_model(tmp_path: Path) -> None:
+    monitor = HealthMonitor(log_every_n_steps=2, exclude=["unused"])
+    sizes = Probe("on_train_batch_end", lambda trainer, pl_module, *args: len(pickle.dumps(monitor)))
+    make_trainer(tmp_path, [monitor, sizes], max_steps=4).fit(TinyNet())
+    assert len(sizes.seen) == 4
+    assert max(sizes.seen) < 20_000  # findings and settings, no parameters or ring of tensors

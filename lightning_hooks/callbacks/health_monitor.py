@@ -41,10 +41,11 @@ GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio",
 class HealthMonitor(StatsCallback):
     """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
 
-    Every ``log_every_n_steps`` optimizer steps it gathers what :class:`ActivationStats` and
-    :class:`GradStats` would (outputs of the selected leaf modules, parameter gradients, update
-    ratios, and per output unit how many values were non-zero), on device, fetched with one host
-    transfer, pooled across DDP ranks; then runs its checks on the host:
+    Every ``log_every_n_steps`` optimizer steps it gathers, on device, per output unit of each
+    selected leaf module (a module without children) how many values were non-zero and their sum
+    of squares, and per layer the parameter-gradient statistics of :class:`GradStats` and the
+    update ratio ``||Δw|| / ||w||``; all of it is fetched with one host transfer and pooled across
+    DDP ranks; then it runs its checks on the host (every rank computes them, rank zero writes):
 
     * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
       conv map, features of a linear output) exactly zero for every sample of the batch.
@@ -167,6 +168,10 @@ class HealthMonitor(StatsCallback):
         self._ring: _LossRing | None = None
         self._checked_until = -1
         """The last step checked in this fit."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to another process or saved must not drag the model's parameters along.
+        return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
 
     @property
     def findings(self) -> list[HealthFinding]:
