@@ -24,7 +24,8 @@ The thresholds and where they come from (README, "HealthMonitor"):
 * ``nonfinite``: any NaN/Inf in a layer's output or a layer's parameter gradient, or a non-finite loss
   (the value: how many layers, or how many steps' losses).
 * ``loss_spike``: a step's loss more than ``spike_threshold`` (20) robust standard deviations
-  (``1.4826 × MAD``) above the median of the previous ``SPIKE_WINDOW`` steps' losses.
+  (``1.4826 × MAD``, at least :data:`SPIKE_FLOOR` of the highest median of the fit) above the
+  median of the previous ``SPIKE_WINDOW`` steps' losses, as they stood at the previous logging step.
 """
 
 from __future__ import annotations
@@ -520,19 +521,18 @@ class HealthTracker:
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
         """Each step whose loss lies ``spike_threshold`` robust deviations above the rolling median.
 
-        A spike on the step right after one is the same spike going on: it extends that finding.
+        The steps since the previous logging step are judged against the history as it stood then
+        (one median and one MAD per logging step, not per step). A spike on the step right after
+        one is the same spike going on: it extends that finding.
         """
         found = []
+        level = self._level()
         for i, (step, loss) in enumerate(snap.losses):
             norms = snap.norms[i] if i < len(snap.norms) else []
             if not math.isfinite(loss):
                 continue
-            if len(self._losses) >= SPIKE_MIN_HISTORY:
-                history = list(self._losses)
-                median = statistics.median(history)
-                self._top_median = max(self._top_median, median)
-                mad = statistics.median(abs(x - median) for x in history)
-                scale = max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
+            if level is not None:
+                median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold:
                     spike = self._spike(step, loss, median, z, norms, snap.norm_layers)
@@ -546,15 +546,20 @@ class HealthTracker:
                 self._loss_norms.append(norms)
         return found
 
-    def spike_line(self) -> float:
-        """Half-way to a spike by the current history: a loss above it may be one (``-inf`` before the history)."""
+    def _level(self) -> tuple[float, float] | None:
+        """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
         if len(self._losses) < SPIKE_MIN_HISTORY:
-            return -math.inf
+            return None
         history = list(self._losses)
         median = statistics.median(history)
+        self._top_median = max(self._top_median, median)
         mad = statistics.median(abs(x - median) for x in history)
-        scale = max(MAD_SCALE * mad, SPIKE_FLOOR * max(self._top_median, median), 1e-12)
-        return median + 0.5 * self.limits.spike_threshold * scale
+        return median, max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
+
+    def spike_line(self) -> float:
+        """Half-way to a spike by the current history: a loss above it may be one (``-inf`` before the history)."""
+        level = self._level()
+        return -math.inf if level is None else level[0] + 0.5 * self.limits.spike_threshold * level[1]
 
     def _spike(
         self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]

@@ -162,6 +162,7 @@ class HealthMonitor(StatsCallback):
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._owner: dict[str, str] = {}
+        self._norm_layers: list[str] = []
         """The layer (module label) of each watched parameter."""
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
@@ -193,6 +194,7 @@ class HealthMonitor(StatsCallback):
         self._params = trainable_parameters(modules)
         owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
         self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
+        self._norm_layers = [self._owner[name] for name, _ in self._params]
         self._order = [label(name) for name, _ in modules]
         self._with_params = frozenset(
             label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
@@ -316,17 +318,21 @@ class HealthMonitor(StatsCallback):
         return Snapshot(
             step=step,
             order=self._order,
-            activations={layer: combine(states) for layer, states in outputs.items()},
+            activations={layer: _pooled(states) for layer, states in outputs.items()},
             units=units,
-            grads={layer: combine(states) for layer, states in params.items()},
+            grads={layer: _pooled(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,
             losses=losses,
             norms=norms,
-            norm_layers=[self._owner[name] for name, _ in self._params],
+            norm_layers=self._norm_layers,
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
+
+
+def _pooled(states: list[State]) -> State:
+    return states[0] if len(states) == 1 else combine(states)
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
