@@ -61,15 +61,15 @@ class _ActivationHook:
 
 
 class UnitRecorder:
-    """Per output unit of each hooked module, how many of its values were non-zero and their sum of squares.
+    """Per output unit of each hooked module, how many of its values were non-zero; and the output's sum of squares.
 
     A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, and
     ``(N, C, L)`` out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``,
     ``(N, T, F)``). Each floating-point output of at least two dimensions becomes one vector under
-    ``("units", <layer>[.out.<path>])``: ``[non-zero count of each unit, sum of squares of each unit]``,
+    ``("units", <layer>[.out.<path>])``: ``[non-zero count of each unit, sum of squares of the output]``,
     pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes. A unit whose count
-    stays zero was zero for every sample of the batch; the sums of squares give the output's RMS, and
-    are not finite when a value is NaN or Inf. Three reductions per output, against
+    stays zero was zero for every sample of the batch; the sum of squares gives the output's RMS, and
+    is not finite when a value is NaN or Inf. Two reductions per output, against
     :class:`ActivationRecorder`'s six statistics. ``samples`` counts, on the host, how many values
     each unit of a key saw in this process since :meth:`start`.
 
@@ -82,9 +82,9 @@ class UnitRecorder:
         >>> recorder, relu = UnitRecorder(batch), nn.ReLU()
         >>> with HookHandles() as handles:
         ...     recorder.attach([("relu", relu)], handles)
-        ...     _ = relu(torch.tensor([[-1.0, 1.0, 0.0], [-2.0, 2.0, 3.0]]))
+        ...     _ = relu(torch.tensor([[-1.0, 1.0, 0.0], [-2.0, 2.0, 2.0]]))
         >>> batch.fetch().vectors[("units", "relu")], recorder.samples
-        ([0.0, 2.0, 1.0, 0.0, 5.0, 9.0], {('units', 'relu'): 2})
+        ([0.0, 2.0, 1.0, 9.0], {('units', 'relu'): 2})
     """
 
     def __init__(self, batch: StatBatch, fired: set[str] | None = None) -> None:
@@ -118,8 +118,8 @@ class _UnitHook:
                 dim = unit_dim(x, self.channels_first)
                 others = [d for d in range(x.dim()) if d != dim]
                 key = recorder.keys.key(self.name, path)
-                fired = x.ne(0).sum(others, dtype=torch.float32)
-                squares = torch.linalg.vector_norm(x, 2, dim=others).square_()
+                fired = torch.count_nonzero(x, dim=others).float()
+                squares = torch.linalg.vector_norm(x).square().reshape(1)
                 recorder.batch.add_vector(key, torch.cat([fired, squares]))
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
 

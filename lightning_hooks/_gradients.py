@@ -104,11 +104,18 @@ class ParamGradRecorder:
     """
 
     def __init__(
-        self, batch: StatBatch, histograms: bool = False, update_ratio: bool = False, weight_norms: bool = False
+        self,
+        batch: StatBatch,
+        histograms: bool = False,
+        update_ratio: bool = False,
+        weight_norms: bool = False,
+        observe: bool = True,
     ) -> None:
         self.batch, self.histograms, self.update_ratio = batch, histograms, update_ratio
         self.weight_norms = weight_norms
         """Also keep ``||w_before||`` of each parameter with an update ratio, under ``("wnorm", <name>)``."""
+        self.observe = observe
+        """Observe the gradients (``False``: only the update ratios, for a caller that reads gradients its way)."""
         self._read: set[int] = set()
 
     def start(self) -> None:
@@ -130,7 +137,8 @@ class ParamGradRecorder:
             grads.append(counted_part(param.grad))
         if not read:
             return
-        self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
+        if self.observe:
+            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
         if self.update_ratio:
             handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read, self.weight_norms)))
 
@@ -184,3 +192,21 @@ class _UpdateRatio:
 def update_ratio(update: State, weight: State) -> float:
     """``||Δw|| / ||w||`` from the pooled states of a sharded parameter's change and its weight before it."""
     return math.sqrt(max(update.sum_sq, 0.0)) / max(math.sqrt(max(weight.sum_sq, 0.0)), 1e-12)
+
+
+def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[‖g‖₁ of each of grads, ‖g‖₂² of each]`` in two fused calls, float32, on the gradients' device.
+
+    Two ``torch._foreach_norm`` calls whatever the number of tensors (one kernel each on CUDA, a
+    loop in C++ on CPU): what a caller that needs each gradient's magnitude, size and finiteness
+    pays instead of :func:`~lightning_hooks._stats.observe_many`'s six statistics. A NaN or Inf
+    gradient makes both of its norms non-finite.
+
+    Example::
+
+        >>> gradient_norms([torch.tensor([3.0, -4.0]), torch.tensor([1.0])]).tolist()
+        [7.0, 1.0, 25.0, 1.0]
+    """
+    l1 = torch._foreach_norm(list(grads), 1)
+    l2 = torch._foreach_norm(list(grads), 2)
+    return torch.cat([torch.stack([n.float() for n in l1]), torch.stack([n.float() for n in l2]).square()])

@@ -11,11 +11,12 @@ from typing_extensions import override
 
 from lightning_hooks import _validate
 from lightning_hooks._activations import UnitRecorder
-from lightning_hooks._gradients import ParamGradRecorder
+from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks._health_report import COLUMNS, rows, summary, warning
 from lightning_hooks._select import label, trainable_parameters
+from lightning_hooks._shards import counted_part, is_sharded
 from lightning_hooks._sink import echo
 from lightning_hooks._stats import STATS, Fetched, State, combine
 from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
@@ -157,11 +158,19 @@ class HealthMonitor(StatsCallback):
         self._watch_grads = bool(on & GRADIENT_CHECKS)
         self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
         self._units = UnitRecorder(self._batch, fired=self._fired)
-        self._grads = ParamGradRecorder(self._batch, update_ratio="update_ratio" in on, weight_norms=True)
+        self._grads = ParamGradRecorder(
+            self._batch, update_ratio="update_ratio" in on, weight_norms=True, observe=False
+        )
         self._ratio_handles = HookHandles()
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._owner: dict[str, str] = {}
+        self._numel: dict[str, int] = {}
+        self._sharded = False
+        self._read: set[int] = set()
+        """The parameters whose gradients this logging step has read."""
+        self._grad_names: list[list[str]] = []
+        """The names behind each ``("grads", <i>)`` vector of this logging step."""
         self._norm_layers: list[str] = []
         """The layer (module label) of each watched parameter."""
         self._order: list[str] = []
@@ -195,6 +204,8 @@ class HealthMonitor(StatsCallback):
         owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
         self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
         self._norm_layers = [self._owner[name] for name, _ in self._params]
+        self._numel = {name: p.numel() for name, p in self._params}
+        self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
         self._with_params = frozenset(
             label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
@@ -213,6 +224,7 @@ class HealthMonitor(StatsCallback):
     @override
     def _start_step(self) -> None:
         self._grads.start()
+        self._read, self._grad_names = set(), []
         self._units.start()
 
     @override
@@ -232,7 +244,18 @@ class HealthMonitor(StatsCallback):
         if self._ring is not None:
             self._ring.norms(trainer.global_step, self.gate.is_open)
         if self._watch_grads and self._enabled and self.gate.is_open:
+            self._record_grads(optimizer)
             self._grads.record(self._params, optimizer, self._ratio_handles)
+
+    def _record_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
+        if read:
+            self._read.update(id(p) for _, p in read)
+            values = gradient_norms([counted_part(p.grad) for _, p in read])  # type: ignore[arg-type]
+            self._grad_names.append([name for name, _ in read])
+            self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
 
     @override
     def on_train_batch_end(
@@ -259,7 +282,8 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._check_fired(trainer, step)
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
-        fetched = self._batch.fetch(self._across(trainer, {"units"}))
+        # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
+        fetched = self._batch.fetch(self._across(trainer, {"units", "grads"} if self._sharded else {"units"}))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
@@ -282,8 +306,8 @@ class HealthMonitor(StatsCallback):
         for key, values in fetched.vectors.items():
             if key[0] != "units":
                 continue
-            layer, width = key[1].split(".out.", 1)[0], len(values) // 2
-            sum_sq = math.fsum(values[width:])
+            layer, width = key[1].split(".out.", 1)[0], len(values) - 1
+            sum_sq = values[width]
             # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
             numel = float(self._units.samples.get(key, 0) * width * trainer.world_size)
             outputs.setdefault(layer, []).append(
@@ -291,9 +315,13 @@ class HealthMonitor(StatsCallback):
             )
             units.setdefault(layer, values[:width])
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
-        for (group, name), state in fetched.states.items():
-            if group == "param":
-                params.setdefault(self._owner.get(name, name), []).append(state)
+        for i, names in enumerate(self._grad_names):
+            values, n = fetched.vectors[("grads", str(i))], len(names)
+            for name, l1, l2_squared in zip(names, values[:n], values[n:], strict=True):
+                state = State(
+                    numel=self._numel[name], abs_sum=l1, sum_sq=l2_squared, nonfinite=float(not math.isfinite(l1))
+                )
+                params.setdefault(self._owner[name], []).append(state)
         changes: dict[str, list[float]] = {}
         weights: dict[str, list[float]] = {}
         for (group, name), value in fetched.scalars.items():
