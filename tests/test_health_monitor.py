@@ -241,3 +241,14 @@ def test_the_monitor_pickles_during_fit_without_the_model(tmp_path: Path) -> Non
     make_trainer(tmp_path, [monitor, sizes], max_steps=4).fit(TinyNet())
     assert len(sizes.seen) == 4
     assert max(sizes.seen) < 20_000  # findings and settings, no parameters or ring of tensors
+
+
+def test_without_a_logger_it_still_finds_warns_and_sums_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pl.seed_everything(0, verbose=False)
+    monitor = HealthMonitor(log_every_n_steps=5, checks=["dead_units"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [monitor], logger=False, max_steps=16).fit(planted.dead_relu())
+    assert [(f.check, f.layers) for f in monitor.findings] == [("dead_units", ("net.1",))]
+    assert sum("`HealthMonitor` found dead_units" in str(w.message) for w in caught) == 1
+    assert "HealthMonitor: 1 problem(s) found in 16 steps:" in capsys.readouterr().out

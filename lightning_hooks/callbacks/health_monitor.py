@@ -70,6 +70,7 @@ class HealthMonitor(StatsCallback):
     table of findings is logged as text ``health/findings`` whenever a new one appears, the
     scalars ``health/<check>`` (how many layers are affected) at every logging step, and a summary
     is printed when the fit ends. :attr:`findings` holds them as :class:`HealthFinding` objects.
+    Without a logger (``Trainer(logger=False)``) it still checks, warns, prints and keeps findings.
 
     Args:
         log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.
@@ -98,6 +99,8 @@ class HealthMonitor(StatsCallback):
         >>> monitor.findings
         []
     """
+
+    needs_logger = False
 
     def __init__(
         self,
