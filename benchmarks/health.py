@@ -9,7 +9,7 @@ Planted (each a small model on synthetic data, ``HealthMonitor(log_every_n_steps
 * ``sigmoid x20``: a 20-layer sigmoid MLP under SGD → ``vanishing_gradients`` in its first layer.
 * ``deep linear, gain 1.6``: 12 linear layers, orthogonal initialisation with gain 1.6, SGD on a regression
   → ``exploding_gradients`` (the total norm grows without bound; every layer grows alike).
-* ``lr x100 in one layer``: Adam at 1e-3, one layer's parameter group at 0.1 → ``update_ratio`` in that layer.
+* ``lr x100 in one layer``: SGD at 0.05, one layer's parameter group at 5.0 → ``update_ratio`` in that layer.
 * ``one layer's weights x1e4``: a linear layer's weights multiplied by 1e4 at the start → ``activation_growth``
   in that layer.
 * ``digits CNN, Adam lr x100``: the digits example at ``lr=1.0`` → any finding (Adam's steps are bounded by
