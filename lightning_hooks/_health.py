@@ -154,21 +154,24 @@ def _rms(state: State) -> float:
 def dead_units(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Layers with at least ``dead_fraction`` of their output units zero for every sample of the batch.
 
-    A parameter-free layer right after a dead one (a pooling, a flatten, a dropout) carries the
-    same dead units on and is not named again.
+    Units are counted in parameter-free leaves; one right after a dead one (a pooling, a flatten, a
+    dropout after a dead ReLU) carries the same dead units on and is not named again, while a
+    layer with weights in between ends the chain.
     """
     found: list[Evidence] = []
     previous_dead = False
     for name in snap.order:
         counts = snap.units.get(name)
         act = snap.activations.get(name)
+        if name in snap.leaves_with_params:
+            previous_dead = False
         if counts is None or act is None or not counts:
             continue
         samples = act.numel / len(counts)
         dead = sum(1 for c in counts if c == 0)
         share = dead / len(counts)
         is_dead = samples >= MIN_SAMPLES and share >= limits.dead_fraction
-        if is_dead and not (previous_dead and name not in snap.leaves_with_params):
+        if is_dead and not previous_dead:
             found.append(
                 Evidence(
                     "dead_units",

@@ -178,6 +178,18 @@ def test_dead_units_count_units_not_zeros(fired: list[float], expected: list[flo
     assert [(e.layers, e.value) for e in found] == [(("act",), v) for v in expected]
 
 
+def test_a_layer_with_weights_between_two_dead_relus_ends_the_chain() -> None:
+    dead = [0.0, 0.0, 3.0, 4.0]
+    snap = Snapshot(
+        step=3,
+        order=["act", "fc", "act2", "pool"],
+        activations={name: State(numel=64) for name in ("act", "act2", "pool")},
+        units={"act": dead, "act2": dead, "pool": dead},
+        leaves_with_params=frozenset({"fc"}),
+    )
+    assert [e.layers for e in dead_units(snap, Thresholds())] == [("act",), ("act2",)]
+
+
 def test_dead_units_need_enough_samples_per_unit() -> None:
     found = dead_units(snapshot(3, activations={"act": State(numel=4)}, units={"act": [0.0, 1.0]}), Thresholds())
     assert found == []  # two samples per unit: a healthy ReLU is often zero for both

@@ -312,11 +312,12 @@ class HealthMonitor(StatsCallback):
             layer, width = key[1].split(".out.", 1)[0], len(values) - 1
             sum_sq = values[width]
             # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
-            numel = float(self._units.samples.get(key, 0) * width * trainer.world_size)
+            numel = float(self._units.samples.get(key, 0) * max(width, 1) * trainer.world_size)
             outputs.setdefault(layer, []).append(
                 State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
             )
-            units.setdefault(layer, values[:width])
+            if width:
+                units.setdefault(layer, values[:width])
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for i, names in enumerate(self._grad_names):
             values, n = fetched.vectors[("grads", str(i))], len(names)
