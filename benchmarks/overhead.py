@@ -9,8 +9,9 @@ Workloads: the digits CNN, a small ``nn.TransformerEncoder`` language model on s
 a ResNet-style CNN with 28 modules, and (``--workloads encoder24``, not run by default) a
 24-layer encoder with 486 parameter tensors and 342 modules. Variants: a hand-written PyTorch
 loop (the limit), the Lightning fit without callbacks, each callback alone and all five together
-at each logging frequency, an empty ``Callback`` (what Lightning charges any callback), ``gradient_clip_val``
-(value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
+at each logging frequency, ``HealthMonitor`` with every check and without ``loss_spike`` (the one
+check that keeps something on every step), an empty ``Callback`` (what Lightning charges any callback),
+``gradient_clip_val`` (value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
 
 Two measures:
 
@@ -68,7 +69,18 @@ from examples.digits import DigitsCNN, DigitsDataModule  # noqa: E402
 from examples.encoder import EncoderLM  # noqa: E402
 from examples.resnet import DigitsResNet  # noqa: E402
 from examples.transformer import TinyTransformerLM, TokenDataModule  # noqa: E402
-from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteGuard, ShapeLogger  # noqa: E402
+from lightning_hooks import (  # noqa: E402
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    HealthMonitor,
+    NonFiniteGuard,
+    ShapeLogger,
+)
+from lightning_hooks._health import CHECKS  # noqa: E402
+
+QUIET_CHECKS = [c for c in CHECKS if c != "loss_spike"]
+"""Every check but the one that keeps something on every step."""
 
 CLAMP = 0.2
 
@@ -106,6 +118,12 @@ def variants(frequencies: list[int]) -> list[Variant]:
             Variant(f"ActivationStats @{every}", lambda e=every: [ActivationStats(log_every_n_steps=e)], every=every),
             Variant(f"NonFiniteGuard @{every}", lambda e=every: [NonFiniteGuard(check_every_n_steps=e)], every=every),
             Variant(f"all five @{every}", lambda e=every: all_five(e), every=every),
+            Variant(f"HealthMonitor @{every}", lambda e=every: [HealthMonitor(log_every_n_steps=e)], every=every),
+            Variant(
+                f"HealthMonitor without loss_spike @{every}",
+                lambda e=every: [HealthMonitor(log_every_n_steps=e, checks=QUIET_CHECKS)],  # type: ignore[arg-type]
+                every=every,
+            ),
         ]
     every = max(frequencies)
     found.append(Variant(f"an empty Callback @{every}", lambda: [pl.Callback()], every=every))

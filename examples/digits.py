@@ -44,7 +44,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
 
 class DigitsCNN(pl.LightningModule):
-    """Two convolutions, a pooling layer and two linear layers; about 40k parameters.
+    """Two convolutions, a pooling layer and two linear layers with a leaky ReLU between them; about 40k parameters.
 
     Args:
         lr: Adam's learning rate.
@@ -62,7 +62,11 @@ class DigitsCNN(pl.LightningModule):
             nn.ReLU(),
             nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+        # LeakyReLU, not ReLU: with a ReLU here about 40 % of the 64 hidden units were zero for a whole batch
+        # (HealthMonitor's dead_units), so they got no gradient from it.
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * channels * 4 * 4, 64), nn.LeakyReLU(0.01), nn.Linear(64, 10)
+        )
         self.val_acc = MulticlassAccuracy(num_classes=10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

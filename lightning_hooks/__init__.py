@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_hooks._finding import Finding
 from lightning_hooks._finite import find_nonfinite
+from lightning_hooks._health import HealthFinding
 from lightning_hooks._shapes import ShapeRow, format_table, trace_shapes
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
         ActivationStats,
         GradClamp,
         GradStats,
+        HealthMonitor,
         NonFiniteError,
         NonFiniteGuard,
         ShapeLogger,
@@ -26,13 +28,23 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_CALLBACKS = ("ActivationStats", "GradClamp", "GradStats", "NonFiniteError", "NonFiniteGuard", "ShapeLogger")
+_CALLBACKS = (
+    "ActivationStats",
+    "GradClamp",
+    "GradStats",
+    "HealthMonitor",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "ShapeLogger",
+)
 
 __all__ = [
     "ActivationStats",
     "Finding",
     "GradClamp",
     "GradStats",
+    "HealthFinding",
+    "HealthMonitor",
     "NonFiniteError",
     "NonFiniteGuard",
     "ShapeLogger",

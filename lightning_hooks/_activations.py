@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_hooks._autograd import in_backward
@@ -57,3 +58,91 @@ class _ActivationHook:
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
                 recorder.batch.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
+
+
+class UnitRecorder:
+    """Per output unit of each parameter-free hooked module, how many of its values were non-zero; and each
+    hooked module's output's sum of squares.
+
+    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, and
+    ``(N, C, L)`` out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``,
+    ``(N, T, F)``). Each floating-point output becomes one vector under ``("units", <layer>[.out.<path>])``:
+    ``[non-zero count of each unit, sum of squares of the output]`` for a module without parameters of its
+    own (activations, pooling, flatten, dropout) and outputs of at least two dimensions, ``[sum of
+    squares]`` for the others (a layer with weights outputs exact zeros for a whole batch only where its
+    weights are zero, e.g. a zero-initialised norm gain: not a dead activation, and counting its
+    units would double the cost on conv maps),
+    pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes. A unit whose count
+    stays zero was zero for every sample of the batch; the sum of squares gives the output's RMS, and
+    is not finite when a value is NaN or Inf. Two reductions per output, against
+    :class:`ActivationRecorder`'s six statistics. ``samples`` counts, on the host, how many values
+    each unit of a key saw in this process since :meth:`start` (every value, for a key without units).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_hooks._stats import StatBatch
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> recorder, relu = UnitRecorder(batch), nn.ReLU()
+        >>> with HookHandles() as handles:
+        ...     recorder.attach([("relu", relu)], handles)
+        ...     _ = relu(torch.tensor([[-1.0, 1.0, 0.0], [-2.0, 2.0, 2.0]]))
+        >>> batch.fetch().vectors[("units", "relu")], recorder.samples
+        ([0.0, 2.0, 1.0, 9.0], {('units', 'relu'): 2})
+    """
+
+    def __init__(self, batch: StatBatch, fired: set[str] | None = None) -> None:
+        self.batch = batch
+        self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("units")
+        self.samples: dict[tuple[str, str], int] = {}
+
+    def start(self) -> None:
+        self.samples = {}
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        for name, module in modules:
+            units = next(module.parameters(recurse=False), None) is None
+            handles.add(module.register_forward_hook(_UnitHook(self, name, channels_first(module), units)))
+
+
+class _UnitHook:
+    def __init__(self, recorder: UnitRecorder, name: str, channels_first: bool, units: bool) -> None:
+        self.recorder, self.name, self.channels_first, self.units = recorder, name, channels_first, units
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if in_backward():  # activation checkpointing re-running forward
+            return
+        recorder = self.recorder
+        recorder.fired.add(self.name)
+        if not recorder.batch.open:
+            return
+        for path, tensor in named_tensors(output):
+            if not tensor.is_floating_point():
+                continue
+            x = tensor.detach()
+            key = recorder.keys.key(self.name, path)
+            squares = torch.linalg.vector_norm(x).square().reshape(1)
+            if self.units and x.dim() >= 2:
+                dim = unit_dim(x, self.channels_first)
+                fired = torch.count_nonzero(x, dim=[d for d in range(x.dim()) if d != dim]).float()
+                recorder.batch.add_vector(key, torch.cat([fired, squares]))
+                recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
+            else:
+                recorder.batch.add_vector(key, squares)
+                recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
+
+
+_CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def channels_first(module: nn.Module) -> bool:
+    """Whether the module's 3-d outputs are ``(batch, channels, length)`` (1-d convolutions, their norms and
+    poolings) rather than ``(batch, sequence, features)``."""
+    return isinstance(module, _CHANNELS_FIRST) or type(module).__name__.endswith(("Pool1d", "Pool2d", "Pool3d"))
+
+
+def unit_dim(t: torch.Tensor, channels_first: bool = False) -> int:
+    """The dimension of ``t`` that holds a layer's units (see :class:`UnitRecorder`)."""
+    return 1 if t.dim() in (4, 5) or (t.dim() == 3 and channels_first) else t.dim() - 1

@@ -103,8 +103,19 @@ class ParamGradRecorder:
         ([('param', 'bias'), ('param', 'weight')], [('ratio', 'bias'), ('ratio', 'weight')])
     """
 
-    def __init__(self, batch: StatBatch, histograms: bool = False, update_ratio: bool = False) -> None:
+    def __init__(
+        self,
+        batch: StatBatch,
+        histograms: bool = False,
+        update_ratio: bool = False,
+        weight_norms: bool = False,
+        observe: bool = True,
+    ) -> None:
         self.batch, self.histograms, self.update_ratio = batch, histograms, update_ratio
+        self.weight_norms = weight_norms
+        """Also keep ``||w_before||`` of each parameter with an update ratio, under ``("wnorm", <name>)``."""
+        self.observe = observe
+        """Observe the gradients (``False``: only the update ratios, for a caller that reads gradients its way)."""
         self._read: set[int] = set()
 
     def start(self) -> None:
@@ -126,9 +137,10 @@ class ParamGradRecorder:
             grads.append(counted_part(param.grad))
         if not read:
             return
-        self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
+        if self.observe:
+            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
         if self.update_ratio:
-            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read)))
+            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read, self.weight_norms)))
 
 
 class _UpdateRatio:
@@ -139,8 +151,8 @@ class _UpdateRatio:
     buffers, a fixed number of operators however many there are; larger ones one by one.
     """
 
-    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]]) -> None:
-        self.batch = batch
+    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
+        self.batch, self.weight_norms = batch, weight_norms
         # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
         self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
         params = [(name, p) for name, p in params if not is_sharded(p)]
@@ -163,17 +175,38 @@ class _UpdateRatio:
                 change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
                 scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
             self.batch.add_scalars([("ratio", name) for name, _ in params], change / scale)
+            if self.weight_norms:
+                self.batch.add_scalars([("wnorm", name) for name, _ in params], scale)
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
             self.batch.add(("weight", name), old)
         for name, param, old_value in large:
             with torch.no_grad():
-                ratio = torch.linalg.vector_norm(param - old_value) / torch.linalg.vector_norm(old_value).clamp_min(
-                    1e-12
-                )
+                norm = torch.linalg.vector_norm(old_value)
+                ratio = torch.linalg.vector_norm(param - old_value) / norm.clamp_min(1e-12)
             self.batch.add_scalar(("ratio", name), ratio)
+            if self.weight_norms:
+                self.batch.add_scalar(("wnorm", name), norm)
 
 
 def update_ratio(update: State, weight: State) -> float:
     """``||Δw|| / ||w||`` from the pooled states of a sharded parameter's change and its weight before it."""
     return math.sqrt(max(update.sum_sq, 0.0)) / max(math.sqrt(max(weight.sum_sq, 0.0)), 1e-12)
+
+
+def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[‖g‖₁ of each of grads, ‖g‖₂² of each]`` in two fused calls, float32, on the gradients' device.
+
+    Two ``torch._foreach_norm`` calls whatever the number of tensors (one kernel each on CUDA, a
+    loop in C++ on CPU): what a caller that needs each gradient's magnitude, size and finiteness
+    pays instead of :func:`~lightning_hooks._stats.observe_many`'s six statistics. A NaN or Inf
+    gradient makes both of its norms non-finite.
+
+    Example::
+
+        >>> gradient_norms([torch.tensor([3.0, -4.0]), torch.tensor([1.0])]).tolist()
+        [7.0, 1.0, 25.0, 1.0]
+    """
+    l1 = torch._foreach_norm(list(grads), 1)
+    l2 = torch._foreach_norm(list(grads), 2)
+    return torch.cat([torch.stack([n.float() for n in l1]), torch.stack([n.float() for n in l2]).square()])

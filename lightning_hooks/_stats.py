@@ -349,12 +349,17 @@ class Across(NamedTuple):
     reduce: Callable[[torch.Tensor, str], torch.Tensor]
 
 
+_LENGTH = "\0"
+"""Separates a vector's name from its length in the keys processes agree on."""
+
+
 class Fetched(NamedTuple):
     """A step's statistics on the host."""
 
     states: dict[Key, State]
     histograms: dict[Key, Histogram]
     scalars: dict[Key, float]
+    vectors: dict[Key, list[float]] = {}
 
 
 @dataclass
@@ -371,16 +376,17 @@ class StatBatch:
     observations: dict[Key, list[Observation]] = field(default_factory=dict)
     samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
+    vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return len(self.observations) + len(self.samples) + len(self.extra)
+        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
     def clear(self) -> None:
-        self.observations, self.samples, self.extra = {}, {}, {}
+        self.observations, self.samples, self.extra, self.vectors = {}, {}, {}, {}
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -408,18 +414,37 @@ class StatBatch:
         if self.open:
             self.extra.update(zip(keys, values.detach().double().reshape(-1, 1).unbind(0), strict=True))
 
+    def add_vector(self, key: Key, values: torch.Tensor) -> None:
+        """A vector under ``key`` (e.g. how often each unit of a layer fired), pooled by ``+`` with the key's
+        earlier vectors in the step and, for groups fetched ``across`` processes, with every process's."""
+        if self.open:
+            values = values.detach().double().reshape(-1)
+            found = self.vectors.get(key)
+            self.vectors[key] = values if found is None else found + values
+
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
-        observations, samples, extra = self.observations, self.samples, self.extra
+        observations, samples, extra, vectors = self.observations, self.samples, self.extra, self.vectors
         self.clear()  # closes the batch too
         device = next(
             (o.raw.device for obs in observations.values() for o in obs if o.raw is not None),
-            next((v.device for v in [*extra.values(), *(s[0] for s in samples.values())]), torch.device("cpu")),
+            next(
+                (v.device for v in [*extra.values(), *vectors.values(), *(s[0] for s in samples.values())]),
+                torch.device("cpu"),
+            ),
         )
         local = list(observations)
         shared: list[Key] = []
-        if across is not None:
-            shared = across.agree(sorted(k for k in local if k[0] in across.groups))
+        shared_vectors: list[tuple[Key, int]] = []
+        if across is not None:  # one agreement for the states and the vectors (a vector's key carries its length)
+            mine = sorted(k for k in local if k[0] in across.groups)
+            mine += sorted((g, f"{n}{_LENGTH}{v.numel()}") for (g, n), v in vectors.items() if g in across.groups)
+            for group, name in across.agree(mine):
+                if _LENGTH in name:
+                    vector, _, length = name.rpartition(_LENGTH)
+                    shared_vectors.append(((group, vector), int(length)))
+                else:
+                    shared.append((group, name))
             local = [k for k in local if k[0] not in across.groups]
         parts: list[torch.Tensor] = []
         if local:
@@ -434,6 +459,16 @@ class StatBatch:
         parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
             parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
+        vector_keys = [(k, v.numel()) for k, v in vectors.items() if across is None or k[0] not in across.groups]
+        parts.extend(vectors[k].to(device) for k, _ in vector_keys)
+        if shared_vectors:
+            assert across is not None
+            zeros = torch.zeros(0, dtype=torch.float64, device=device)
+            pooled = torch.cat(
+                [vectors[k].to(device) if k in vectors else zeros.new_zeros(n) for k, n in shared_vectors]
+            )
+            parts.append(across.reduce(pooled, "sum"))
+            vector_keys += shared_vectors
         if not parts:
             return Fetched({}, {}, {})
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
@@ -447,8 +482,13 @@ class StatBatch:
         for key in hist_keys:
             hists[key] = Histogram.from_row(flat[offset : offset + width])
             offset += width
-        scalars = dict(zip(extra, flat[offset:], strict=True))
-        return Fetched(found, hists, scalars)
+        scalars = dict(zip(extra, flat[offset : offset + len(extra)], strict=True))
+        offset += len(extra)
+        found_vectors: dict[Key, list[float]] = {}
+        for key, size in vector_keys:
+            found_vectors[key] = flat[offset : offset + size]
+            offset += size
+        return Fetched(found, hists, scalars, found_vectors)
 
 
 def _pooled(keys: list[Key], observations: dict[Key, list[Observation]], device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import _callgrind
+from lightning_hooks._health import CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,3 +78,14 @@ def test_the_logging_step_split_prints_every_part() -> None:
     [row] = [line for line in out.splitlines() if line.startswith("| this checkout |")]
     assert len(row.split(" | ")) == 7
     assert "reduction kernels | host work per key | event writing | writer thread" in out
+
+
+def test_the_health_calibration_prints_each_run_and_each_check() -> None:
+    out = output_of([sys.executable, "benchmarks/health.py", "--quick", "--only", "dead ReLU", "NumNet"])
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")]
+    runs = {row[0]: row for row in rows if row[0] in ("| dead ReLU", "| NumNet")}
+    assert runs["| dead ReLU"][3:5] == ["yes", "dead_units net.1 @0; update_ratio net.0 @10 |"]
+    assert runs["| NumNet"][3:5] == ["yes", "none |"]
+    checks = [row for row in rows if row[0].startswith("| `")]
+    assert [row[0] for row in checks] == [f"| `{check}`" for check in CHECKS]
+    assert checks[0][1:] == ["1 of 1", "0 |"]

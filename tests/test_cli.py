@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_hooks._health import CHECKS
 from lightning_hooks.cli import main
 from tests.helpers import events
 
@@ -27,7 +28,8 @@ def test_config_runs(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture
             f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
         ]
     )
-    assert "ShapeLogger:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ShapeLogger:" in out
     tags = events(tmp_path / "logs").Tags()
     assert "shapes/train" in tags["tensors"]
     assert "grad_clamp/clamped_fraction" in tags["scalars"]
@@ -35,3 +37,5 @@ def test_config_runs(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture
         assert {"grad_norm_total", "act_zero_frac/features.2", "out_grad_norm/classifier.3"} <= set(tags["scalars"])
         assert "grad/features.0.weight" in tags["histograms"]
         assert "act/features.0" in tags["histograms"]
+        assert {f"health/{check}" for check in CHECKS} <= set(tags["scalars"])
+        assert "HealthMonitor: no problems found in 4 steps." in out

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_hooks import ActivationStats
+from lightning_hooks import ActivationStats, HealthMonitor
 from tests.helpers import TinyNet, events, make_trainer, scalars
 
 pytestmark = pytest.mark.ddp
@@ -86,3 +86,21 @@ def test_ranks_with_different_batch_shapes_do_not_deadlock(tmp_path: Path) -> No
     run("ddp", tmp_path, "--uneven")
     mean = scalars(tmp_path / "tb", "act_mean/fc1")
     assert sorted(mean) == [0, 1]
+
+
+def test_health_monitor_decides_on_rank_zero_from_the_pooled_statistics(tmp_path: Path) -> None:
+    """Each rank alone has half the ReLU's units dead for its whole batch; pooled over both, none is."""
+    stdout = run("ddp", tmp_path, "--health")
+    assert stdout.count("HealthMonitor: no problems found in 4 steps.") == 1  # rank zero prints, once
+    assert scalars(tmp_path / "tb", "health/dead_units") == {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}
+    # What rank zero would have said from its own batches alone:
+    from tests.ddp_run import HalfDeadOnEachRank
+
+    alone = HalfDeadOnEachRank(batch_size=8)
+    alone.load_state_dict(torch.load(tmp_path / "initial.pt"))
+    alone.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
+        torch.utils.data.TensorDataset(-alone.x.abs(), alone.y), batch_size=8
+    )
+    monitor = HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"])
+    make_trainer(tmp_path / "alone", [monitor], max_steps=4).fit(alone)
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("act",), 0.5)]

@@ -14,6 +14,7 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._stats import (
     HIST_SAMPLE,
     Across,
+    Key,
     StatBatch,
     State,
     combine,
@@ -271,3 +272,24 @@ def test_parameter_statistics_take_as_many_operators_for_400_tensors_as_for_50()
     few, many = top_level_ops(50), top_level_ops(400)
     assert many == few
     assert sum(few.values()) < 100  # per-tensor reductions took 18 per tensor: 916 and 7,216
+
+
+def test_vectors_pool_by_sum_over_calls_and_processes_in_the_one_transfer() -> None:
+    batch = StatBatch()
+    batch.start()
+    batch.add_vector(("units", "relu"), torch.tensor([0.0, 2.0, 1.0]))
+    batch.add_vector(("units", "relu"), torch.tensor([0.0, 1.0, 0.0]))  # a second call of the module
+    batch.add_vector(("ring", "loss"), torch.tensor([0.5, 0.25]))  # not pooled across processes
+    agreed: list[list[Key]] = []
+
+    def agree(keys: list[Key]) -> list[Key]:
+        agreed.append(keys)
+        return [*keys, ("units", "other\x002")]  # a vector only another process had
+
+    fetched = batch.fetch(Across(frozenset({"units"}), agree, lambda t, op: t * 2))  # two processes alike
+    assert fetched.vectors == {
+        ("ring", "loss"): [0.5, 0.25],
+        ("units", "relu"): [0.0, 6.0, 2.0],
+        ("units", "other"): [0.0, 0.0],
+    }
+    assert len(agreed) == 1  # one agreement for states and vectors

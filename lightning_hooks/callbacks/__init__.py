@@ -1,7 +1,16 @@
 from lightning_hooks.callbacks.activation_stats import ActivationStats
 from lightning_hooks.callbacks.grad_clamp import GradClamp
 from lightning_hooks.callbacks.grad_stats import GradStats
+from lightning_hooks.callbacks.health_monitor import HealthMonitor
 from lightning_hooks.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from lightning_hooks.callbacks.shape_logger import ShapeLogger
 
-__all__ = ["ActivationStats", "GradClamp", "GradStats", "NonFiniteError", "NonFiniteGuard", "ShapeLogger"]
+__all__ = [
+    "ActivationStats",
+    "GradClamp",
+    "GradStats",
+    "HealthMonitor",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "ShapeLogger",
+]

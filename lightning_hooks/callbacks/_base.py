@@ -214,6 +214,8 @@ class StatsCallback(HookCallback):
     """
 
     bins = 64
+    needs_logger = True
+    """Whether the callback has nothing to do without a logger (``HealthMonitor`` still warns and keeps findings)."""
 
     def __init__(
         self,
@@ -274,7 +276,7 @@ class StatsCallback(HookCallback):
         self._fired.clear()
         self._fired_checked = False
         self._tag_cache = {}
-        self._enabled = bool(trainer.loggers)
+        self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
             rank_zero_warn(

@@ -182,6 +182,8 @@ class NonFiniteGuard(HookCallback):
         self.check_every_n_steps, self.action, self.check_backward = check_every_n_steps, action, check_backward
         self.mode = mode
         self.skipped_steps = 0
+        self.last_finding: Finding | None = None
+        """The latest finding of the current (or last) fit, ``None`` until there is one (read by ``HealthMonitor``)."""
         self._recorder = NonFiniteRecorder(check_backward)
         self._eager = mode == "eager"
         self._micro_batches: list[MicroBatch] = []
@@ -199,6 +201,7 @@ class NonFiniteGuard(HookCallback):
         self._param_names = {id(p): name for name, p in pl_module.named_parameters()}
         self._warned = set()
         self.skipped_steps = 0
+        self.last_finding = None
         self._eager = self.mode == "eager"
         self._every_module = list(pl_module.modules())
         self._device, self._distributed = trainer.strategy.root_device, trainer.world_size > 1
@@ -397,6 +400,7 @@ class NonFiniteGuard(HookCallback):
         if finding is None:
             lines = [f"another rank found NaN/Inf values at step {step}"]
         else:
+            self.last_finding = finding
             lines = finding.lines(step)
             if self._scaler is not None:
                 lines.append(self._scaler_note(finding, scaler_skips))

@@ -1,0 +1,438 @@
+"""HealthMonitor: reads the statistics for you and names what is wrong, where, and since when."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_hooks import _validate
+from lightning_hooks._activations import UnitRecorder
+from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
+from lightning_hooks._handles import HookHandles
+from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
+from lightning_hooks._health_report import COLUMNS, rows, summary, warning
+from lightning_hooks._select import label, trainable_parameters
+from lightning_hooks._shards import counted_part, is_sharded
+from lightning_hooks._sink import echo
+from lightning_hooks._stats import STATS, Fetched, State, combine
+from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch import nn
+
+Check = Literal[
+    "dead_units",
+    "vanishing_gradients",
+    "exploding_gradients",
+    "update_ratio",
+    "activation_growth",
+    "nonfinite",
+    "loss_spike",
+]
+TABLE_TAG = "health/findings"
+ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite"}
+GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite"}
+
+
+class HealthMonitor(StatsCallback):
+    """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
+
+    Every ``log_every_n_steps`` optimizer steps it gathers, on device, per output unit of each
+    selected leaf module (a module without children) how many values were non-zero and their sum
+    of squares, and per layer the parameter-gradient statistics of :class:`GradStats` and the
+    update ratio ``||Δw|| / ||w||``; all of it is fetched with one host transfer and pooled across
+    DDP ranks; then it runs its checks on the host (every rank computes them, rank zero writes):
+
+    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
+      conv map, features of a linear output) exactly zero for every sample of the batch.
+    * ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
+      ``gradient_spread`` times below / above the median layer's; or the total gradient norm rising
+      at each of ``patience`` logging steps and ``norm_growth``-fold over them.
+    * ``update_ratio``: a layer's ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``
+      (step 0 and zero-initialised layers are not judged).
+    * ``activation_growth``: a layer's output RMS ``activation_growth`` times that of the layers
+      before it, or of its own first logging step.
+    * ``nonfinite``: NaN/Inf in a layer's output (the first in model order), else in a parameter
+      gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
+    * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
+      the median of the previous 100 steps; it names the layers whose gradient norm jumped most on
+      that step. This is the one check that costs something on quiet steps: each step's loss and
+      a vector of per-parameter gradient norms (one ``torch._foreach_norm``) are written into an
+      on-device ring, read at the next logging step without a host synchronisation in between.
+
+    The first four need ``patience`` consecutive logging steps. A finding that keeps holding stays
+    one finding whose ``last_step`` advances. Each new finding is warned once (rank zero), the
+    table of findings is logged as text ``health/findings`` whenever a new one appears, the
+    scalars ``health/<check>`` (how many layers are affected) at every logging step, and a summary
+    is printed when the fit ends. :attr:`findings` holds them as :class:`HealthFinding` objects.
+    Without a logger (``Trainer(logger=False)``) it still checks, warns, prints and keeps findings.
+
+    Args:
+        log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.
+        checks: Which checks to run (default: all of them).
+        include: Glob patterns over qualified module names (``""`` is the LightningModule).
+        exclude: Glob patterns of modules to leave out.
+        types: Class names of modules to watch, matched along the class hierarchy.
+        max_depth: Watch modules at most this many levels below the LightningModule.
+        dead_fraction: Share of a layer's units that must be dead (0.25).
+        gradient_spread: How many times below or above the median layer's mean ``|gradient|`` a
+            layer's must be (1e3: three orders of magnitude).
+        norm_growth: How many times the total gradient norm must grow over ``patience`` logging steps (100).
+        update_ratio_low: The lowest healthy ``||Δw|| / ||w||`` per step (1e-6).
+        update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.1).
+        activation_growth: How many times a layer's output RMS may exceed that of the layers before
+            it, or its own at the first logging step (1e3).
+        spike_threshold: How many robust deviations above the rolling median a loss spike is (20).
+        patience: Consecutive logging steps a persistent problem must hold before it is reported (3).
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_hooks import HealthMonitor
+        >>> monitor = HealthMonitor(checks=["dead_units", "nonfinite"])
+        >>> trainer = Trainer(callbacks=[monitor], logger=False)
+        >>> monitor.findings
+        []
+    """
+
+    needs_logger = False
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        checks: list[Check] | None = None,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        types: list[str] | None = None,
+        max_depth: int | None = None,
+        dead_fraction: float = 0.25,
+        gradient_spread: float = 1e3,
+        norm_growth: float = 100.0,
+        update_ratio_low: float = 1e-6,
+        update_ratio_high: float = 0.1,
+        activation_growth: float = 1e3,
+        spike_threshold: float = 20.0,
+        patience: int = 3,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps,
+            stats=None,
+            allowed_stats=STATS,
+            histograms=False,
+            include=include,
+            exclude=exclude,
+            types=types,
+            max_depth=max_depth,
+        )
+        owner = type(self).__name__
+        self.checks: list[str] = _validate.subset(owner, "checks", checks, CHECKS) or list(CHECKS)
+        fraction = _validate.positive_float(owner, "dead_fraction", dead_fraction)
+        if fraction > 1:
+            raise ValueError(f"`{owner}` got `dead_fraction={dead_fraction!r}`; `dead_fraction` must be in (0, 1].")
+        limits = {
+            arg: _validate.positive_float(owner, arg, value)
+            for arg, value in (
+                ("gradient_spread", gradient_spread),
+                ("norm_growth", norm_growth),
+                ("update_ratio_low", update_ratio_low),
+                ("update_ratio_high", update_ratio_high),
+                ("activation_growth", activation_growth),
+                ("spike_threshold", spike_threshold),
+            )
+        }
+        for arg in ("gradient_spread", "norm_growth", "activation_growth"):
+            if limits[arg] <= 1:
+                raise ValueError(f"`{owner}` got `{arg}={limits[arg]!r}`; `{arg}` must be a number above 1.")
+        if limits["update_ratio_low"] >= limits["update_ratio_high"]:
+            raise ValueError(
+                f"`{owner}` got `update_ratio_low={update_ratio_low!r}` and `update_ratio_high={update_ratio_high!r}`; "
+                f"`update_ratio_low` must be below `update_ratio_high`."
+            )
+        _validate.positive_int(owner, "patience", patience, allow_none=False)
+        self.thresholds = Thresholds(dead_fraction=fraction, patience=patience, **limits)
+        self._tracker = HealthTracker(self.checks, self.thresholds)
+        on = set(self.checks)
+        self._watch_outputs = bool(on & ACTIVATION_CHECKS)
+        self._watch_grads = bool(on & GRADIENT_CHECKS)
+        self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
+        self._units = UnitRecorder(self._batch, fired=self._fired)
+        self._grads = ParamGradRecorder(
+            self._batch, update_ratio="update_ratio" in on, weight_norms=True, observe=False
+        )
+        self._ratio_handles = HookHandles()
+        self._leaves: list[tuple[str, nn.Module]] = []
+        self._params: list[tuple[str, nn.Parameter]] = []
+        self._owner: dict[str, str] = {}
+        self._numel: dict[str, int] = {}
+        self._sharded = False
+        self._read: set[int] = set()
+        """The parameters whose gradients this logging step has read."""
+        self._grad_names: list[list[str]] = []
+        """The names behind each ``("grads", <i>)`` vector of this logging step."""
+        self._norm_layers: list[str] = []
+        """The layer (module label) of each watched parameter."""
+        self._order: list[str] = []
+        self._with_params: frozenset[str] = frozenset()
+        self._ring: _LossRing | None = None
+        self._checked_until = -1
+        """The last step checked in this fit."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to another process or saved must not drag the model's parameters along.
+        return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
+
+    @property
+    def findings(self) -> list[HealthFinding]:
+        """Every finding of the current (or last) fit, in the order they were first made."""
+        return self._tracker.findings
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and self._watch_grads:
+            refuse_sharded(trainer.strategy, "`HealthMonitor`", "leave the gradient checks out of `checks`")
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        super()._attach(trainer, pl_module, modules)
+        self._tracker = HealthTracker(self.checks, self.thresholds)
+        self._checked_until = -1
+        self._leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
+        self._params = trainable_parameters(modules)
+        owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
+        self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
+        self._norm_layers = [self._owner[name] for name, _ in self._params]
+        self._numel = {name: p.numel() for name, p in self._params}
+        self._sharded = any(is_sharded(p) for _, p in self._params)
+        self._order = [label(name) for name, _ in modules]
+        self._with_params = frozenset(
+            label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
+        )
+        self._ring = None
+        if self._spikes and self._enabled and self._params:
+            device = self._params[0][1].device
+            self._ring = _LossRing([p for _, p in self._params], self.every(trainer) + 1, device)
+
+    @override
+    def _detach(self) -> None:
+        self._ratio_handles.remove()
+        super()._detach()
+        self._leaves, self._params, self._ring = [], [], None
+
+    @override
+    def _start_step(self) -> None:
+        self._grads.start()
+        self._read, self._grad_names = set(), []
+        self._units.start()
+
+    @override
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._watch_outputs:
+            self._units.attach(self._leaves, self._step_handles)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._ring is not None and trainer.training and not trainer.sanity_checking:
+            self._ring.loss(trainer.global_step, loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._ring is not None:
+            self._ring.norms(trainer.global_step, self.gate.is_open)
+        if self._watch_grads and self._enabled and self.gate.is_open:
+            self._record_grads(optimizer)
+            self._grads.record(self._params, optimizer, self._ratio_handles)
+
+    def _record_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
+        if read:
+            self._read.update(id(p) for _, p in read)
+            values = gradient_norms([counted_part(p.grad) for _, p in read])  # type: ignore[arg-type]
+            self._grad_names.append([name for name, _ in read])
+            self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._ratio_handles.remove()  # a skipped optimizer step (AMP overflow) never calls the update-ratio hook
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_end(trainer, pl_module)
+        if self._enabled:
+            echo(summary(self.findings, trainer.global_step))
+
+    @override
+    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
+        # Only the leaves are hooked: a container that ran is not "silent".
+        if not self._fired_checked:
+            self._fired_checked = True
+            report_silent_modules(trainer, self._leaves, self._fired, step)
+
+    @override
+    def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        if self._watch_outputs:
+            self._check_fired(trainer, step)
+        ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
+        # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
+        fetched = self._batch.fetch(self._across(trainer, {"units", "grads"} if self._sharded else {"units"}))
+        snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
+        self._checked_until = step
+        new = self._tracker.update(snap)
+        if self._ring is not None:
+            self._ring.line = self._tracker.spike_line()
+        for finding in new:
+            rank_zero_warn(warning(finding))
+        if new:
+            self._sink.table(
+                trainer, TABLE_TAG, COLUMNS, rows(self.findings), step, caption=f"HealthMonitor, step {step}"
+            )
+        affected = self._tracker.affected
+        self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
+
+    def _snapshot(
+        self, fetched: Fetched, step: int, ring_steps: list[int], with_norms: set[int], trainer: pl.Trainer
+    ) -> Snapshot:
+        outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
+        units: dict[str, list[float]] = {}
+        for key, values in fetched.vectors.items():
+            if key[0] != "units":
+                continue
+            layer, width = key[1].split(".out.", 1)[0], len(values) - 1
+            sum_sq = values[width]
+            # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
+            numel = float(self._units.samples.get(key, 0) * max(width, 1) * trainer.world_size)
+            outputs.setdefault(layer, []).append(
+                State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
+            )
+            if width:
+                units.setdefault(layer, values[:width])
+        params: dict[str, list[State]] = {}  # a layer's parameters pooled
+        for i, names in enumerate(self._grad_names):
+            values, n = fetched.vectors[("grads", str(i))], len(names)
+            for name, l1, l2_squared in zip(names, values[:n], values[n:], strict=True):
+                state = State(
+                    numel=self._numel[name], abs_sum=l1, sum_sq=l2_squared, nonfinite=float(not math.isfinite(l1))
+                )
+                params.setdefault(self._owner[name], []).append(state)
+        changes: dict[str, list[float]] = {}
+        weights: dict[str, list[float]] = {}
+        for (group, name), value in fetched.scalars.items():
+            norm = fetched.scalars.get(("wnorm", name), math.nan)
+            if group == "ratio":
+                layer = self._owner.get(name, name)
+                changes.setdefault(layer, []).append((value * norm) ** 2)
+                weights.setdefault(layer, []).append(norm**2)
+        ratios, weight_norms = {}, {}
+        for layer, squares in weights.items():
+            weight_norms[layer] = math.sqrt(math.fsum(squares))
+            ratios[layer] = math.sqrt(math.fsum(changes[layer])) / max(weight_norms[layer], 1e-12)
+        losses: list[tuple[int, float]] = []
+        norms: list[list[float]] = []
+        if ring_steps:
+            flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors.get(("ring", "norms"), [])
+            width, row = len(self._params), 0
+            for i, ring_step in enumerate(ring_steps):
+                losses.append((ring_step, flat[i]))
+                norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
+                row += ring_step in with_norms
+        return Snapshot(
+            step=step,
+            order=self._order,
+            activations={layer: _pooled(states) for layer, states in outputs.items()},
+            units=units,
+            grads={layer: _pooled(states) for layer, states in params.items()},
+            ratios=ratios,
+            weights=weight_norms,
+            losses=losses,
+            norms=norms,
+            norm_layers=self._norm_layers,
+            leaves_with_params=self._with_params,
+            guard=_guard_finding(trainer, self._checked_until, step),
+        )
+
+
+def _pooled(states: list[State]) -> State:
+    return states[0] if len(states) == 1 else combine(states)
+
+
+def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
+    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` in the same Trainer found after step
+    ``after``, up to ``step``."""
+    from lightning_hooks.callbacks.nonfinite_guard import NonFiniteGuard
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        found = callback.last_finding if isinstance(callback, NonFiniteGuard) else None
+        if found is not None and after < found.step <= step:
+            return found.layer, found.step, found.lines(found.step)[0]
+    return None
+
+
+class _LossRing:
+    """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
+
+    A step costs a ``detach`` of its loss and, where norms are taken, one ``torch._foreach_norm`` of
+    the gradients and a ``stack`` of the norms; nothing is read from the device:
+    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's
+    batch, which fetches them with everything else. At most ``size`` steps are kept.
+
+    On an accelerator the norms are taken on every step (one fused kernel). On a CPU, where
+    ``_foreach_norm`` is a loop over the parameters and the loss already is in host memory
+    (reading it makes nobody wait), they are taken only where attribution can need them: on a step
+    whose loss is above ``line`` (half-way to a spike, as judged at the last logging step) or not
+    finite, on logging steps (the level jumps are measured against), and on every step until the
+    spike check has its history.
+    """
+
+    def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
+        self.params, self.size = params, size
+        self.gated = device.type == "cpu"
+        self.line = -math.inf
+        self.zero = torch.zeros((), device=device)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.grad_norms: dict[int, torch.Tensor] = {}
+        self._loss_step = -1
+
+    def loss(self, step: int, loss: torch.Tensor) -> None:
+        if step == self._loss_step:  # a further micro-batch of the step (Lightning divides each by their count)
+            self.losses[step] = self.losses[step] + loss.detach()
+            return
+        self.losses[step] = loss.detach()
+        self._loss_step = step
+        if len(self.losses) > self.size:
+            oldest = min(self.losses)
+            del self.losses[oldest]
+            self.grad_norms.pop(oldest, None)
+
+    def norms(self, step: int, logging: bool) -> None:
+        if step in self.grad_norms:  # a further optimizer of the step
+            return
+        if self.gated and not logging and step in self.losses:
+            value = float(self.losses[step])  # host memory on a CPU: no device to wait for
+            if value <= self.line:  # False for NaN
+                return
+        zero = self.zero
+        grads = [zero if p.grad is None else p.grad for p in self.params]
+        self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
+
+    def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
+        """The steps kept since the last hand-over and those of them with norms, whose values go into ``batch``."""
+        steps = sorted(self.losses)
+        with_norms = [s for s in steps if s in self.grad_norms]
+        if steps:
+            batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
+        if with_norms:
+            batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms[s] for s in with_norms]))
+        self.losses, self.grad_norms = {}, {}
+        return steps, set(with_norms)
