@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteGuard, ShapeLogger  # noqa: E402
+from lightning_hooks import (  # noqa: E402
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    HealthMonitor,
+    NonFiniteGuard,
+    ShapeLogger,
+)
 from tests.helpers import TinyNet, hook_state  # noqa: E402
 
 CLAMP = 0.05
@@ -57,6 +65,15 @@ class ShardNet(TinyNet):
         dataset = TensorDataset(self.x, self.y)
         sampler = DistributedSampler(dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+class FastFc2(ShardNet):
+    """``fc2`` learning 100 times faster than the rest: its update ratio leaves the healthy band."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        fast = list(self.fc2.parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in fast)]
+        return torch.optim.SGD([{"params": rest}, {"params": fast, "lr": 100 * self.lr}], lr=self.lr)
 
 
 def unsharded_hooks(model: torch.nn.Module) -> int:
@@ -101,23 +118,28 @@ class Record(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True, choices=["fit", "backward", "fail", "nan", "tensor-parallel"])
+    parser.add_argument(
+        "--mode", required=True, choices=["fit", "backward", "fail", "nan", "tensor-parallel", "health"]
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     torch.manual_seed(0)
-    model = ShardNet(rank1_fails_at=1 if args.mode == "fail" else None)
+    model = FastFc2() if args.mode == "health" else ShardNet(rank1_fails_at=1 if args.mode == "fail" else None)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     record = Record()
-    callbacks: list[pl.Callback] = [
-        record,
-        ShapeLogger(),
-        GradStats(log_every_n_steps=1),
-        ActivationStats(log_every_n_steps=1),
-        GradClamp(CLAMP, mode="backward" if args.mode == "backward" else "accumulated"),
-        NonFiniteGuard(),
-        *([PoisonRank1()] if args.mode == "nan" else []),
-    ]
+    monitor = HealthMonitor(log_every_n_steps=1)
+    callbacks: list[pl.Callback] = [record]
+    if args.mode != "health":
+        callbacks += [
+            ShapeLogger(),
+            GradStats(log_every_n_steps=1),
+            ActivationStats(log_every_n_steps=1),
+            GradClamp(CLAMP, mode="backward" if args.mode == "backward" else "accumulated"),
+            NonFiniteGuard(),
+            *([PoisonRank1()] if args.mode == "nan" else []),
+        ]
+    callbacks.append(monitor)
     tensor_parallel = 2 if args.mode == "tensor-parallel" else 1
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -127,7 +149,7 @@ def main() -> None:
             tensor_parallel_size=tensor_parallel,
             timeout=timedelta(seconds=20),  # a rank left waiting for a failed one gives up
         ),
-        max_steps=STEPS,
+        max_steps=6 if args.mode == "health" else STEPS,
         logger=TensorBoardLogger(out, name="tb", version=0),
         callbacks=callbacks,
         use_distributed_sampler=False,
@@ -142,9 +164,11 @@ def main() -> None:
         trainer.fit(model)
     except Exception as error:  # every outcome is reported, and judged by the test
         result["error"] = f"{type(error).__name__}: {error}"
+        traceback.print_exc()
     rank = trainer.global_rank
     result["hooks_kept"] = record.before == hook_state(model) and not unsharded_hooks(model) if record.before else None
     result["unsharded_hooks_in_step"] = record.unsharded_hooks_in_step
+    result["findings"] = [(f.check, list(f.layers)) for f in monitor.findings]
     result["sharded"] = [name for name, p in model.named_parameters() if type(p).__name__ == "DTensor"]
     if "error" not in result:
         final = {name: p.full_tensor() for name, p in model.named_parameters()}  # a collective on every rank

@@ -185,3 +185,20 @@ def test_tensor_parallel_is_refused_at_setup(tmp_path: Path) -> None:
             rank["error"],
         ), rank["error"]
         assert rank["hooks_kept"] is None, "refused before any hook was attached"
+
+
+def test_health_monitor_runs_on_every_rank_and_rank_zero_reports(sharded_fit: tuple[Path, str]) -> None:
+    out, stdout = sharded_fit
+    assert stdout.count("HealthMonitor: no problems found in 3 steps.") == 1
+    assert sorted(scalars(out / "tb", "health/update_ratio")) == [0, 1, 2]
+
+
+def test_health_monitor_pools_a_sharded_layers_update_ratio(tmp_path: Path) -> None:
+    # fc2 learns 100x faster: its update ratio, pooled from both ranks' shards of Δw and w, leaves the band.
+    done, ranks = run("health", tmp_path)
+    assert len(ranks) == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    for rank in ranks:
+        assert "error" not in rank, rank
+        assert rank["findings"] == [["update_ratio", ["fc2"]]]
+        assert rank["hooks_kept"] is True
+    assert done.stdout.count("HealthMonitor: 1 problem(s) found in 6 steps") == 1

@@ -16,7 +16,7 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks._health_report import COLUMNS, rows, summary, warning
 from lightning_hooks._select import label, trainable_parameters
-from lightning_hooks._shards import counted_part, is_sharded
+from lightning_hooks._shards import counted_part, is_sharded, local
 from lightning_hooks._sink import echo
 from lightning_hooks._stats import STATS, Fetched, State, combine
 from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
@@ -286,7 +286,8 @@ class HealthMonitor(StatsCallback):
             self._check_fired(trainer, step)
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
-        fetched = self._batch.fetch(self._across(trainer, {"units", "grads"} if self._sharded else {"units"}))
+        sharded = {"grads", "update", "weight"} if self._sharded else set()
+        fetched = self._batch.fetch(self._across(trainer, {"units", *sharded}))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
@@ -334,6 +335,11 @@ class HealthMonitor(StatsCallback):
                 layer = self._owner.get(name, name)
                 changes.setdefault(layer, []).append((value * norm) ** 2)
                 weights.setdefault(layer, []).append(norm**2)
+        for (group, name), change in fetched.states.items():  # sharded parameters: pooled squares of Δw and w
+            if group == "update":
+                layer = self._owner.get(name, name)
+                changes.setdefault(layer, []).append(max(change.sum_sq, 0.0))
+                weights.setdefault(layer, []).append(max(fetched.states[("weight", name)].sum_sq, 0.0))
         ratios, weight_norms = {}, {}
         for layer, squares in weights.items():
             weight_norms[layer] = math.sqrt(math.fsum(squares))
@@ -423,7 +429,8 @@ class _LossRing:
             if value <= self.line:  # False for NaN
                 return
         zero = self.zero
-        grads = [zero if p.grad is None else p.grad for p in self.params]
+        # Under FSDP2, this process's shard of each gradient: the ring is read on rank zero, unpooled.
+        grads = [zero if p.grad is None else local(p.grad) for p in self.params]
         self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
 
     def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
