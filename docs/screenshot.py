@@ -5,7 +5,9 @@
 Trains the digits job (all callbacks, 8 epochs, about a minute on 2 cores) into a temporary
 folder, starts the real ``tensorboard`` on 127.0.0.1, and has headless Chromium (Debian's
 ``chromium``) screenshot the Scalars and Custom Scalars dashboards; the last gradient-flow and
-zero-fraction figures are fetched from the same server. Writes ``docs/*.png``.
+zero-fraction figures are fetched from the same server. Then the digits CNN at a learning rate
+100x too large, watched by ``HealthMonitor``, for the Text tab's ``health/findings`` table.
+Writes ``docs/*.png``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.health import Case, run
+from examples.digits import DigitsCNN, DigitsDataModule
 from tests.tb_server import DIGITS_RUN, chromium, screenshot, tensorboard_server, train_digits, wait_for_run
 
 DOCS = Path(__file__).parent
@@ -21,6 +25,8 @@ DASHBOARDS = {
     "tensorboard-scalars.png": "scalars",
     "tensorboard-custom-scalars.png": "custom_scalars",
 }
+HEALTH = Case("digits_lr_x100", lambda: (DigitsCNN(lr=1.0), DigitsDataModule()), 100)
+"""A run with findings to show: the digits CNN under Adam at a learning rate 100x its own."""
 FIGURES = {
     "gradient-flow.png": "figures/gradient_flow",
     "activation-zero-frac.png": "figures/activation_zero_frac",
@@ -46,6 +52,16 @@ def main() -> int:
                 last = server.json("/data/plugin/images/images", run=DIGITS_RUN, tag=tag)[-1]
                 (DOCS / name).write_bytes(server.get(f"/data/plugin/images/individualImage?{last['query']}"))
                 print(f"wrote {DOCS / name} (step {last['step']})")
+        findings = run(HEALTH, str(work / "health"))
+        print(f"{len(findings)} health finding(s): {', '.join(sorted({f.check for f in findings}))}")
+        with tensorboard_server(work / "health", work) as server:
+            wait_for_run(server, f"{HEALTH.name}/version_0", {"health/dead_units"})
+            png = DOCS / "health-findings.png"
+            result = screenshot(f"{server.url}/#text", png, work / "profile", size=(1400, 700))
+            if result.returncode:
+                print(result.stderr, file=sys.stderr)
+                return result.returncode
+            print(f"wrote {png}")
     return 0
 
 
