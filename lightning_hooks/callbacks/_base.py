@@ -14,6 +14,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import Pending, Region, Regions
 from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
@@ -129,6 +130,8 @@ class HookCallback(Callback):
         )
         self._handles = HookHandles()
         self._step_handles = HookHandles()
+        self._regions = Regions()
+        """The compiled regions this callback hooks into during a fit (see :mod:`lightning_hooks._compiled`)."""
         self._modules: list[tuple[str, nn.Module]] = []
         self._sink = Sink(owner)
         self.gate = StepGate()
@@ -148,6 +151,7 @@ class HookCallback(Callback):
     def _remove_hooks(self) -> None:
         self._step_handles.remove()
         self._handles.remove()
+        self._regions.leave()  # after the hooks: each compiled region gets its own entry point back
         self._modules = []
 
     def _detach(self) -> None:
@@ -157,7 +161,7 @@ class HookCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process or saved must not drag the model along.
-        return {**self.__dict__, "_modules": []}
+        return {**self.__dict__, "_modules": [], "_regions": Regions()}
 
     @property
     @override
@@ -195,8 +199,13 @@ class HookCallback(Callback):
 class StatsCallback(HookCallback):
     """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
 
-    ``_arm_step`` attaches the observing recorders at the start of each training batch of a
-    logging step (their hooks go at its end); ``_emit`` fetches and logs once the optimizer has
+    Two regimes, chosen per module. Outside compiled code, ``_arm_step`` attaches the observing
+    recorders to ``self._eager_modules`` at the start of each training batch of a logging step
+    (their hooks go at its end): eager modules pay nothing on other steps. Modules inside a
+    ``torch.compile``'d region get their hooks once per fit from ``_attach_compiled``, switched
+    on by the region's flag for the batches of logging steps; what they compute inside the graph
+    waits in ``self._pending`` and is poured into the batch when each batch ends (see
+    :mod:`lightning_hooks._compiled`). ``_emit`` fetches and logs once the optimizer has
     stepped. The states it logs also feed the TensorBoard custom-scalars layout of the run and,
     every ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks._dashboard.Dashboard`).
     """
@@ -228,6 +237,9 @@ class StatsCallback(HookCallback):
         self.stats = _validate.subset(owner, "stats", stats, allowed_stats) or list(allowed_stats)
         self.histograms = _validate.boolean(owner, "histograms", histograms)
         self._batch = StatBatch(self.bins)
+        self._pending = Pending()
+        self._eager_modules: list[tuple[str, nn.Module]] = []
+        """The selected modules outside compiled regions, hooked on logging steps only."""
         self._enabled = True
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
@@ -238,6 +250,10 @@ class StatsCallback(HookCallback):
         """A logging step begins (its first micro-batch)."""
 
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        """Register the switched hooks of the modules inside compiled regions, for the whole fit."""
         raise NotImplementedError
 
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
@@ -255,17 +271,24 @@ class StatsCallback(HookCallback):
         self._fired.clear()
         self._fired_checked = False
         self._tag_cache = {}
+        self._pending.clear()
         self._enabled = bool(trainer.loggers)
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
             rank_zero_warn(
                 f"`{type(self).__name__}` has no logger to write to (`Trainer(logger=False)`); it does nothing."
             )
+            return
+        self._eager_modules, compiled = self._regions.enter(pl_module, modules)
+        if compiled:
+            self._attach_compiled(compiled)
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._batch.clear()
+        self._pending.clear()
+        self._eager_modules = []
         self._dashboard.reset()
 
     @override
@@ -275,17 +298,21 @@ class StatsCallback(HookCallback):
         if not self._enabled:
             return
         opening = self.gate.step is None
-        if self.gate.begin(trainer.global_step, opening and self.is_logging_step(trainer)):
+        recording = self.gate.begin(trainer.global_step, opening and self.is_logging_step(trainer))
+        if recording:
             if opening:
                 self._batch.start()
                 self._start_step()
             self._arm_step(trainer, pl_module)
+        self._regions.vote(self, recording)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
+        self._regions.vote(self, False)  # validation and the next batch run the quiet graphs unless voted on again
+        self._pending.pour(self._batch)
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is None:  # nothing was recorded, or more micro-batches of the step are to come

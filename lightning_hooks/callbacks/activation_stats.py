@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Literal
 from typing_extensions import override
 
 from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks._compiled import Region
 from lightning_hooks.callbacks._base import StatsCallback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
 
 ActivationStat = Literal["mean", "std", "abs_max", "zero_frac", "nonfinite"]
 ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_frac", "nonfinite")
@@ -86,7 +88,11 @@ class ActivationStats(StatsCallback):
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._recorder.attach(self._modules, self._step_handles)
+        self._recorder.attach(self._eager_modules, self._step_handles)
+
+    @override
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        self._recorder.attach_switched(modules, self._handles, self._pending)
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:

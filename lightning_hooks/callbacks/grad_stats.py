@@ -8,6 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import Region
 from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import trainable_parameters
@@ -151,7 +152,11 @@ class GradStats(StatsCallback):
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.output_grads:
-            self._outputs.attach(self._modules, self._step_handles)
+            self._outputs.attach(self._eager_modules, self._step_handles)
+
+    @override
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        pass  # TODO output gradients inside compiled regions
 
     @override
     def on_before_optimizer_step(
