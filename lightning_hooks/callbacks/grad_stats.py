@@ -156,7 +156,8 @@ class GradStats(StatsCallback):
 
     @override
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
-        pass  # TODO output gradients inside compiled regions
+        if self.output_grads:
+            self._outputs.attach_switched(modules, self._handles)
 
     @override
     def on_before_optimizer_step(
