@@ -51,6 +51,7 @@ class ActivationRecorder:
         """Hook modules inside compiled regions for a whole fit: each hook runs while its region's switch
         is on and leaves its states in ``pending`` (see :mod:`lightning_hooks._compiled`)."""
         for name, module, region in modules:
+            region.settles(pending)
             handles.add(module.register_forward_hook(Switched(region.switch, _ActivationHook(self, name, pending))))
 
 
@@ -61,8 +62,11 @@ class _ActivationHook:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
             return
-        recorder = self.recorder
-        recorder.fired.add(self.name)
+        recorder, into = self.recorder, self.into
+        if isinstance(into, Pending):  # inside compiled code: see Pending
+            into.fired.append(self.name)
+        else:
+            recorder.fired.add(self.name)
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
-                self.into.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
+                into.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)

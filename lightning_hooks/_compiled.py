@@ -75,24 +75,53 @@ class Switched:
 class Pending:
     """States computed inside compiled graphs (:func:`state_row`), waiting for the step to end.
 
-    It has :meth:`StatBatch.add`'s signature, so a recorder's hook writes to either; list appends
-    are side effects that dynamo replays after each run of the graph.
+    Its :meth:`add` has :meth:`StatBatch.add`'s signature, so a recorder's hook writes to either.
+    Traced code only appends to ``rows`` and ``fired``, lists that the region empties after each of
+    its calls (:meth:`settle`): every call starts from the same state, so the guards dynamo puts on
+    them hold and nothing recompiles however often the region runs in a step.
     """
 
     def __init__(self) -> None:
         self.rows: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self.fired: list[str] = []
+        self._settled: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self._ran: set[str] = set()
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
         self.rows.append((key, state_row(t), sample(t) if histogram else None))
 
-    def pour(self, batch: StatBatch) -> None:
-        """Hand everything to ``batch`` (which takes it only if open) and forget it."""
-        rows, self.rows = self.rows, []
+    def settle(self) -> None:
+        """After a call of the region: keep what it produced apart from what the next call will."""
+        if self.rows or self.fired:
+            self._settled.extend(self.rows)
+            self._ran.update(self.fired)
+            self.rows, self.fired = [], []
+
+    def pour(self, batch: StatBatch, fired: set[str]) -> None:
+        """Hand everything to ``batch`` (which takes it only if open), the names that ran to ``fired``; forget it."""
+        self.settle()
+        rows, self._settled = self._settled, []
+        fired.update(self._ran)
+        self._ran = set()
         for key, row, sampled in rows:
             batch.add_state(key, row, sampled)
 
     def clear(self) -> None:
-        self.rows = []
+        self.rows, self.fired, self._settled, self._ran = [], [], [], set()
+
+
+class _Entry:
+    """A region's entry point during a fit: its compiled function, then each :class:`Pending` settled."""
+
+    def __init__(self, compiled: Callable[..., Any], pendings: list[Pending]) -> None:
+        self.compiled, self.pendings = compiled, pendings
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            for pending in self.pendings:
+                pending.settle()
 
 
 class Region:
@@ -109,8 +138,15 @@ class Region:
         self.module = module
         self.switch = Switch()
         self.users = 0
+        self.pendings: list[Pending] = []
+        """Where the hooks inside the region leave their states; settled after each call."""
         self._saved: dict[str, Any] = {}
         self._members = {id(m) for m in module.modules()}
+
+    def settles(self, pending: Pending) -> None:
+        """Settle ``pending`` after each call of the region (see :class:`Pending`)."""
+        if all(p is not pending for p in self.pendings):
+            self.pendings.append(pending)
 
     def __contains__(self, module: nn.Module) -> bool:
         return id(module) in self._members
@@ -123,14 +159,14 @@ class Region:
         if is_compile_wrapper(owner):
             attr = "_forward" if "_forward" in owner.__dict__ else "forward"  # lazy modules check first
             self._saved = {attr: owner.__dict__[attr]}
-            setattr(owner, attr, owner.dynamo_ctx(_fresh_call(self.module)))  # type: ignore[operator]
+            setattr(owner, attr, _Entry(owner.dynamo_ctx(_fresh_call(self.module)), self.pendings))  # type: ignore[operator]
             return
         ctx: dict[str, Any] = owner.__dict__["_compiler_ctx"]
         for method in _STEP_METHODS:
             original = ctx.get(f"original_{method}")
             if original is not None and method in owner.__dict__:
                 self._saved[method] = owner.__dict__[method]
-                setattr(owner, method, ctx["dynamo_ctx"](_fresh_method(original)))
+                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh_method(original)), self.pendings))
 
     def leave(self) -> None:
         self.users = max(self.users - 1, 0)
@@ -141,6 +177,7 @@ class Region:
         for attr, value in saved.items():
             setattr(owner, attr, value)
         self.switch.reset()
+        self.pendings.clear()
 
 
 _REGIONS: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
@@ -236,3 +273,36 @@ def _fresh(func: Any) -> types.FunctionType:
     fresh.__kwdefaults__ = func.__kwdefaults__
     fresh.__qualname__ = func.__qualname__
     return fresh
+
+
+_EAGER_VOTERS: set[int] = set()
+_EAGER_STANCE: list[Any] = []
+"""The ``set_stance`` object in force while some voter runs compiled code eagerly (at most one)."""
+
+
+def run_eager(voter: object, on: bool) -> None:
+    """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``).
+
+    For steps that need hooks to fire in the Python they attach to (a shape table, a checked
+    step): compiled graphs are neither used nor changed meanwhile, and the stance in force before
+    the first vote comes back with the last.
+    """
+    if on:
+        _EAGER_VOTERS.add(id(voter))
+    else:
+        _EAGER_VOTERS.discard(id(voter))
+    if _EAGER_VOTERS and not _EAGER_STANCE:
+        _EAGER_STANCE.append(torch.compiler.set_stance("force_eager"))
+    elif not _EAGER_VOTERS and _EAGER_STANCE:
+        _EAGER_STANCE.pop().__exit__(None, None, None)
+
+
+def has_compiled(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether some of ``modules`` are inside a compiled region of ``model``."""
+    regions = find_regions(model)
+    return any(module in region for region in regions for _, module in modules)
+
+
+def eager_stance() -> Any:
+    """A context in which every compiled function runs eagerly (a replayed step, whose hooks must fire)."""
+    return torch.compiler.set_stance("force_eager")

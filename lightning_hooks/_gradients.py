@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._autograd import in_backward, loss_scale
-from lightning_hooks._compiled import Region, Switched
+from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shards import counted_part, is_sharded
@@ -51,7 +51,9 @@ class OutputGradRecorder:
         for name, module in modules:
             handles.add(module.register_forward_hook(_OutputGradHook(self, name)))
 
-    def attach_switched(self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles) -> None:
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
+    ) -> None:
         """Hook modules inside compiled regions for a whole fit (see :mod:`lightning_hooks._compiled`).
 
         A tensor hook registered in a traced forward would break the graph; instead, while the
@@ -61,10 +63,11 @@ class OutputGradRecorder:
         or dict of outputs are probed (deeper nested outputs are not, under compile).
         """
         for name, module, region in modules:
+            region.settles(pending)
             slot = handles.add(RemovableHandle(_READERS))
             _READERS[slot.id] = _PathReader(self, name)
             probe = _OutputGradProbe(str(slot.id))
-            handles.add(module.register_forward_hook(Switched(region.switch, _Fired(self, name, probe))))
+            handles.add(module.register_forward_hook(Switched(region.switch, _Fired(pending, name, probe))))
 
 
 class _OutputGradHook:
@@ -145,13 +148,13 @@ _FLAT_OUTPUTS = (tuple, list, dict)
 
 
 class _Fired:
-    """Notes that module ``name`` ran, then calls ``hook``."""
+    """Notes in ``pending`` that module ``name`` ran, then calls ``hook``."""
 
-    def __init__(self, recorder: OutputGradRecorder, name: str, hook: _OutputGradProbe) -> None:
-        self.recorder, self.name, self.hook = recorder, name, hook
+    def __init__(self, pending: Pending, name: str, hook: _OutputGradProbe) -> None:
+        self.pending, self.name, self.hook = pending, name, hook
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        self.recorder.fired.add(self.name)
+        self.pending.fired.append(self.name)
         return self.hook(output)
 
 

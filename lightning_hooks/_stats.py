@@ -46,6 +46,8 @@ class OutputKeys:
         self._keys: dict[tuple[str, str], Key] = {}
 
     def key(self, module: str, path: str) -> Key:
+        if torch.compiler.is_compiling():  # a constant of the graph; a lookup would guard on the cache's contents
+            return (self.group, output_label(module, path))
         found = self._keys.get((module, path))
         if found is None:
             found = self._keys[module, path] = (self.group, output_label(module, path))

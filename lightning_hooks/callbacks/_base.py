@@ -17,7 +17,7 @@ from lightning_hooks import _validate
 from lightning_hooks._compiled import Pending, Region, Regions
 from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
-from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
+from lightning_hooks._select import ModuleSelector, label
 from lightning_hooks._sink import Sink
 from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive_many
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
@@ -81,11 +81,11 @@ def report_silent_modules(
     reported.add(silent)
     pl_module = trainer.lightning_module
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compiled = any(is_compile_wrapper(m) for m in pl_module.modules())
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
     compile_hint = (
-        "This model contains torch.compile'd modules: compiled code ignores hooks attached after it was first "
-        "compiled; set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before `fit` so that it recompiles "
-        "when hooks come and go. "
+        "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
+        "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
+        "instead, whose regions are observed. "
         if compiled
         else ""
     )
@@ -312,7 +312,7 @@ class StatsCallback(HookCallback):
     ) -> None:
         self._step_handles.remove()
         self._regions.vote(self, False)  # validation and the next batch run the quiet graphs unless voted on again
-        self._pending.pour(self._batch)
+        self._pending.pour(self._batch, self._fired)
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is None:  # nothing was recorded, or more micro-batches of the step are to come

@@ -157,7 +157,7 @@ class GradStats(StatsCallback):
     @override
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
         if self.output_grads:
-            self._outputs.attach_switched(modules, self._handles)
+            self._outputs.attach_switched(modules, self._handles, self._pending)
 
     @override
     def on_before_optimizer_step(
