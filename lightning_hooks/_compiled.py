@@ -115,6 +115,7 @@ class _Entry:
 
     def __init__(self, compiled: Callable[..., Any], pendings: list[Pending]) -> None:
         self.compiled, self.pendings = compiled, pendings
+        self.__wrapped__ = getattr(compiled, "__wrapped__", compiled)  # what Lightning's `is_overridden` reads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -21,25 +21,38 @@ N = 48
 """Three full batches of 16: one input shape, so each variant of a region is compiled once."""
 
 COMPARED = (
-    "act_mean/body.0",
-    "act_std/body.2",
-    "act_zero_frac/body.1",
+    "act_mean/body.fc1",
+    "act_std/body.fc2",
+    "act_zero_frac/body.act",  # called twice: both calls pooled
     "act_abs_max/body",
     "act_mean/head",
-    "out_grad_norm/body.0",
+    "out_grad_norm/body.fc1",
+    "out_grad_norm/body.act",
     "out_grad_abs_max/body",
-    "grad_norm/body.0.weight",
+    "grad_norm/body.fc1.weight",
 )
 
 
-class CompiledBody(TinyNet):
-    """``self.body = torch.compile(body)`` in ``__init__``, followed by an eager head."""
+class Body(nn.Module):
+    """Two layers and a ReLU module called after each."""
 
-    def __init__(self, compiled: bool = True, body: nn.Module | None = None) -> None:
+    def __init__(self, last: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU()
+        self.last = last or nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class CompiledBody(TinyNet):
+    """``self.body = torch.compile(Body())`` in ``__init__``, followed by an eager head."""
+
+    def __init__(self, compiled: bool = True, last: nn.Module | None = None) -> None:
         super().__init__(n=N)
         del self.fc1, self.fc2, self.act, self.unused
         torch.manual_seed(0)
-        body = body or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+        body = Body(last)
         self.body = torch.compile(body) if compiled else body
         self.head = nn.Linear(8, 3)
 
@@ -47,10 +60,22 @@ class CompiledBody(TinyNet):
         return self.head(self.body(x))
 
 
+class Whole(TinyNet):
+    """TinyNet with every module in use, for ``trainer.fit(torch.compile(model))``."""
+
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        del self.unused
+
+
 def observers() -> list[Any]:
     # ShapeLogger records step 0 only (its period is longer than the fit), so later logging
     # steps run the compiled logging graph.
-    return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2), ShapeLogger(log_every_n_steps=100)]
+    return [
+        ActivationStats(log_every_n_steps=2, histograms=True),
+        GradStats(log_every_n_steps=2),
+        ShapeLogger(log_every_n_steps=100),
+    ]
 
 
 def warm_up(model: CompiledBody) -> None:
@@ -68,7 +93,7 @@ class Run:
     caught: list[str] = field(default_factory=list)
 
 
-def fit(root: Path, model: CompiledBody, callbacks: list[Any], **kwargs: Any) -> Run:
+def fit(root: Path, model: Any, callbacks: list[Any], **kwargs: Any) -> Run:
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -99,8 +124,11 @@ def test_compiled_region_reports_what_eager_reports(runs: dict[str, Any]) -> Non
         want, got = scalars(eager.root, tag), scalars(compiled.root, tag)
         assert sorted(got) == [0, 2, 4], tag
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
+    want, got = events(eager.root).Histograms("act/body.act"), events(compiled.root).Histograms("act/body.act")
+    assert [h.histogram_value.num for h in got] == [h.histogram_value.num for h in want] == [256.0] * 3
+    assert [h.histogram_value.max for h in got] == pytest.approx([h.histogram_value.max for h in want], rel=1e-6)
     assert not [t for t in events(compiled.root).Tags()["scalars"] if "_orig_mod" in t]
-    assert "| body.0 | Linear | [16, 4] | [16, 8] |" in texts(compiled.root, "shapes/train")[0]
+    assert "| body.fc1 | Linear | [16, 4] | [16, 8] |" in texts(compiled.root, "shapes/train")[0]
     assert not [w for w in compiled.caught if "never ran" in w or "recompile" in w]
 
 
@@ -125,7 +153,7 @@ def test_after_fit_the_region_runs_as_before(runs: dict[str, Any]) -> None:
 def test_a_second_fit_on_the_same_compiled_model(runs: dict[str, Any], tmp_path: Path) -> None:
     model = runs["compiled"].model
     second = fit(tmp_path, model, [ActivationStats(log_every_n_steps=1, include=["body.*"])], max_steps=2)
-    assert sorted(scalars(tmp_path, "act_mean/body.2")) == [0, 1]
+    assert sorted(scalars(tmp_path, "act_mean/body.fc2")) == [0, 1]
     assert second.graphs == 1  # the logging graph only: every step logs
     assert second.breaks == 0
     assert not [w for w in second.caught if "never ran" in w]
@@ -139,7 +167,7 @@ class Log(nn.Module):
 
 def test_grad_clamp_and_nonfinite_guard_train_as_eager(tmp_path: Path) -> None:
     def guarded() -> list[Any]:
-        return [GradClamp(0.05), NonFiniteGuard()]
+        return [GradClamp(0.01), NonFiniteGuard()]
 
     eager = fit(tmp_path / "eager", CompiledBody(compiled=False), guarded(), logger=False)
     compiled = fit(tmp_path / "compiled", CompiledBody(), guarded(), logger=False)
@@ -149,9 +177,27 @@ def test_grad_clamp_and_nonfinite_guard_train_as_eager(tmp_path: Path) -> None:
 
 
 def test_nonfinite_guard_replays_a_compiled_region_eagerly(tmp_path: Path) -> None:
-    model = CompiledBody(body=nn.Sequential(nn.Linear(4, 8), Log()))  # log of negative values: NaN
-    with pytest.raises(NonFiniteError, match=r"body\.1") as raised:
+    model = CompiledBody(last=Log())  # log of zeros after the ReLU: -inf
+    with pytest.raises(NonFiniteError, match=r"body\.last") as raised:
         make_trainer(tmp_path, [NonFiniteGuard()], logger=False).fit(model)
     assert raised.value.finding is not None
-    assert raised.value.finding.layer == "body.1"
+    assert raised.value.finding.layer == "body.last"
+    assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
+
+
+def test_a_lightning_module_compiled_whole(tmp_path: Path) -> None:
+    def callbacks() -> list[Any]:
+        return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2)]
+
+    torch.manual_seed(0)
+    eager = fit(tmp_path / "eager", Whole(), callbacks())
+    torch.manual_seed(0)
+    model = Whole()
+    compiled = fit(tmp_path / "compiled", torch.compile(model), callbacks())
+    for tag in ("act_mean/fc1", "act_zero_frac/act", "act_std/root", "out_grad_norm/fc2", "out_grad_norm/root"):
+        want, got = scalars(eager.root, tag), scalars(compiled.root, tag)
+        assert sorted(got) == [0, 2, 4], tag
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
+    assert (compiled.graphs, compiled.breaks) == (2, 0)
+    assert not [w for w in compiled.caught if "never ran" in w]
     assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
