@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard, ShapeLogger
 from lightning_hooks._gradients import _READERS
-from tests.helpers import TinyNet, events, hook_state, make_trainer, scalars, texts
+from tests.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
 
 N = 48
 """Three full batches of 16: one input shape, so each variant of a region is compiled once."""
@@ -114,8 +116,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = CompiledBody()
     warm_up(model)
     entry = model.body.__dict__["forward"]
-    compiled = fit(root / "compiled", model, observers())
-    return {"eager": eager, "compiled": compiled, "entry": entry, "hooks": hook_state(model)}
+    hooks = Probe("on_train_end", lambda trainer, pl_module: [weakref.ref(h) for h in forward_hooks(pl_module)])
+    compiled = fit(root / "compiled", model, [*observers(), hooks])
+    return {"eager": eager, "compiled": compiled, "entry": entry, "hooks": hook_state(model), "refs": hooks.seen[0]}
+
+
+def forward_hooks(model: nn.Module) -> list[Any]:
+    return [hook for module in model.modules() for hook in module._forward_hooks.values()]
 
 
 def test_compiled_region_reports_what_eager_reports(runs: dict[str, Any]) -> None:
@@ -144,6 +151,9 @@ def test_after_fit_the_region_runs_as_before(runs: dict[str, Any]) -> None:
     assert set(runs["hooks"].values()) <= {(0,) * 7, (0, 0)}
     assert not _READERS
     assert model.body.__dict__["forward"] is runs["entry"]
+    gc.collect()  # the fresh entry point, its compiled graphs and the hooks they inlined are gone with it
+    assert len(runs["refs"]) == 2 * 5  # ActivationStats and GradStats on body and its 4 modules (head: eager)
+    assert [ref() for ref in runs["refs"]] == [None] * len(runs["refs"])
     counters.clear()
     model(model.x[:16]).sum().backward()  # the graph cached before the fit, with no hook in it
     assert counters["stats"]["unique_graphs"] == 0
