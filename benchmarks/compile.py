@@ -1,7 +1,7 @@
 """Step times, graphs and graph breaks of a torch.compile'd model with and without the callbacks.
 
     .venv/bin/python benchmarks/compile.py [--steps 200] [--every 10] [--repeats 3]
-    .venv/bin/python benchmarks/compile.py --instructions [--every 10]
+    .venv/bin/python benchmarks/compile.py --instructions [--every 10] [--only NAME ...]
 
 The transformer's encoder is compiled inside the LightningModule (``model.encoder =
 torch.compile(model.encoder)``), with no dynamo setting. Variants, run interleaved (each repeat
@@ -16,9 +16,9 @@ recompile-limit warnings dynamo logged.
 
 With ``--instructions``, each compiled variant instead runs once under valgrind's callgrind, in
 processes side by side, one intra-op thread (see ``_callgrind.py``): compiles run uninstrumented,
-and steps ``SKIP + 10`` to ``SKIP + 10 + 2 * every - 1`` are counted, which holds two logging
-steps. Instruction counts do not depend on the machine's load, so they resolve the 1 % that wall
-time on a shared machine cannot.
+and steps ``every`` to ``3 * every - 1`` are counted (two logging steps; both graphs of the
+region are compiled by then). ``--only`` picks variants. Instruction counts do not depend on
+the machine's load, so they resolve the 1 % that wall time on a shared machine cannot.
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ def variants(every: int) -> dict[str, tuple[bool, Callable[[], list[pl.Callback]
 
 
 def count_child(name: str, out: str, every: int) -> None:
-    """Under callgrind: one fit of variant ``name``, its steps from ``SKIP + 10`` on counted for ``2 * every`` steps."""
+    """Under callgrind: one fit of variant ``name``, its steps ``every`` to ``3 * every - 1`` counted."""
     torch.set_num_threads(1)
     compiled, callbacks = variants(every)[name]
-    first = SKIP + 10
+    first = every
     probe = StepInstructions(first, 2 * every)
     counters.clear()
     with tempfile.TemporaryDirectory() as root:
@@ -129,15 +129,15 @@ def count_child(name: str, out: str, every: int) -> None:
     Path(out).write_text(json.dumps(row))
 
 
-def count_instructions(every: int) -> None:
+def count_instructions(every: int, only: list[str] | None) -> None:
     from benchmarks import _callgrind
 
     if (why := _callgrind.missing_tools()) is not None:
         sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
-    table = [name for name, (compiled, _) in variants(every).items() if compiled]
+    table = [name for name, (compiled, _) in variants(every).items() if compiled and (not only or name in only)]
     print(
         f"torch {torch.__version__}, valgrind's callgrind, 1 thread; logging every {every}, steps counted: "
-        f"{SKIP + 10}-{SKIP + 10 + 2 * every - 1}, one run per variant\n"
+        f"{every}-{3 * every - 1}, one run per variant\n"
     )
     with tempfile.TemporaryDirectory() as scratch:
         out_dir = Path(scratch)
@@ -179,6 +179,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
+    parser.add_argument(
+        "--only", nargs="+", help="with --instructions: these variants only (the first is the baseline)"
+    )
     parser.add_argument("--count-child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     quiet()
@@ -186,7 +189,7 @@ def main() -> None:
         count_child(*args.count_child, args.every)
         return
     if args.instructions:
-        count_instructions(args.every)
+        count_instructions(args.every, args.only)
         return
     limits = LimitWarnings()
     logging.getLogger("torch._dynamo").addHandler(limits)

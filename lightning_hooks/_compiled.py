@@ -99,6 +99,8 @@ class Pending:
 
     def pour(self, batch: StatBatch, fired: set[str]) -> None:
         """Hand everything to ``batch`` (which takes it only if open), the names that ran to ``fired``; forget it."""
+        if not (self._settled or self._ran or self.rows or self.fired):  # every quiet step
+            return
         self.settle()
         rows, self._settled = self._settled, []
         fired.update(self._ran)
@@ -128,15 +130,15 @@ class _Entry:
 class Region:
     """One compiled part of a model and the switch of the hooks inside it.
 
-    ``name`` is the qualified name of its module (with wrappers looked through). While at least
-    one user has :meth:`enter`-ed, the region is called through a fresh entry point (see the
-    module's docstring); the last :meth:`leave` puts the original one back.
+    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module
+    whose code is compiled (the same LightningModule, or the wrapper's ``_orig_mod``); both are
+    held weakly. While at least one user has :meth:`enter`-ed, the region is called through a
+    fresh entry point (see the module's docstring); the last :meth:`leave` puts the original back.
     """
 
-    def __init__(self, name: str, owner: nn.Module, module: nn.Module) -> None:
-        self.name = name
+    def __init__(self, owner: nn.Module, module: nn.Module) -> None:
         self._owner = weakref.ref(owner)
-        self.module = module
+        self._module = weakref.ref(module)
         self.switch = Switch()
         self.users = 0
         self.pendings: list[Pending] = []
@@ -154,13 +156,13 @@ class Region:
 
     def enter(self) -> None:
         self.users += 1
-        owner = self._owner()
-        if self.users > 1 or owner is None:
+        owner, module = self._owner(), self._module()
+        if self.users > 1 or owner is None or module is None:
             return
         if is_compile_wrapper(owner):
             attr = "_forward" if "_forward" in owner.__dict__ else "forward"  # lazy modules check first
             self._saved = {attr: owner.__dict__[attr]}
-            setattr(owner, attr, _Entry(owner.dynamo_ctx(_fresh_call(self.module)), self.pendings))  # type: ignore[operator]
+            setattr(owner, attr, _Entry(owner.dynamo_ctx(_fresh_call(module)), self.pendings))  # type: ignore[operator]
             return
         ctx: dict[str, Any] = owner.__dict__["_compiler_ctx"]
         for method in _STEP_METHODS:
@@ -188,24 +190,20 @@ _REGIONS: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictiona
 def find_regions(model: nn.Module) -> list[Region]:
     """The compiled regions of ``model``, outermost first (a region inside another is not listed)."""
     found: list[Region] = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if any(module in r for r in found):
             continue
         if is_compile_wrapper(module):
-            inner: nn.Module = module._orig_mod
+            inner: nn.Module = getattr(module, "_orig_mod")  # noqa: B009 (typed as a Tensor or a Module)
         elif isinstance(getattr(module, "_compiler_ctx", None), dict):
             inner = module
         else:
             continue
         region = _REGIONS.get(module)
-        if region is None or region.module is not inner or not region.users:  # a model can change between fits
-            region = _REGIONS[module] = Region(_clean(name), module, inner)
+        if region is None or not region.users:  # made afresh for each fit: a model can change between fits
+            region = _REGIONS[module] = Region(module, inner)
         found.append(region)
     return found
-
-
-def _clean(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
 class Regions:

@@ -31,6 +31,12 @@ class ActivationStats(StatsCallback):
     steps no hook is attached. Validation, sanity check and the forward that activation
     checkpointing re-runs in backward are never counted.
 
+    Modules inside a ``torch.compile``'d region (``self.encoder = torch.compile(encoder)``, or
+    ``trainer.fit(torch.compile(model))``) are hooked once for the whole fit instead, each hook
+    switched by one flag per region: dynamo compiles two graphs of the region (quiet and logging)
+    and breaks neither; the statistics are computed inside the logging graph. No dynamo setting
+    is needed, and the region is as before once the fit ends (README, "torch.compile").
+
     Tags (``<layer>`` is the qualified module name, ``root`` for the LightningModule, followed by
     ``.out.<path>`` for a tensor inside a nested output such as ``lstm.out.0``):
 

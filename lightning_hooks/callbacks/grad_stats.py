@@ -43,6 +43,11 @@ class GradStats(StatsCallback):
     Everything is computed on device and reaches the host in one transfer per logging step; on
     other steps no hook is attached and nothing is computed.
 
+    Inside a ``torch.compile``'d region the output-gradient hooks stay for the whole fit,
+    switched by one flag per region (two graphs, no graph break): on logging steps each output
+    passes through an identity custom operator whose backward reads its gradient (README,
+    "torch.compile"). Parameter gradients are read outside compiled code, as in eager mode.
+
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard
     of every parameter's gradient; the shards' moments are summed and their largest magnitudes
     maxed across processes in the collectives that pool layer output gradients, so every figure is

@@ -80,6 +80,12 @@ class NonFiniteGuard(HookCallback):
     or the gradients (a NaN in a branch masked out by ``torch.where``), which the replay's
     sentinel cannot see.
 
+    **torch.compile.** Compiled code does not call hooks attached after it was compiled: the
+    replay, and the checked batches of ``mode="eager"`` when selected modules are inside a
+    compiled region, run the compiled code eagerly (``torch.compiler.set_stance("force_eager")``)
+    so that the hooks fire. The sentinel of a healthy step runs outside the graphs and changes
+    nothing in them.
+
     **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
     minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
     Inf shows in one), the forward hook does the same for each output, nested ones included. A
