@@ -186,10 +186,11 @@ def test_grad_clamp_and_nonfinite_guard_train_as_eager(tmp_path: Path) -> None:
     assert compiled.breaks == 0
 
 
-def test_nonfinite_guard_replays_a_compiled_region_eagerly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["replay", "eager"])
+def test_nonfinite_guard_names_a_layer_inside_a_compiled_region(tmp_path: Path, mode: Any) -> None:
     model = CompiledBody(last=Log())  # log of zeros after the ReLU: -inf
     with pytest.raises(NonFiniteError, match=r"body\.last") as raised:
-        make_trainer(tmp_path, [NonFiniteGuard()], logger=False).fit(model)
+        make_trainer(tmp_path, [NonFiniteGuard(mode=mode)], logger=False).fit(model)
     assert raised.value.finding is not None
     assert raised.value.finding.layer == "body.last"
     assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
