@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -142,6 +143,15 @@ def count_instructions(every: int, only: list[str] | None) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         out_dir = Path(scratch)
         library = _callgrind.build_library(out_dir)
+        # Inductor compiles its kernels with `-march=native`, which may use instructions valgrind
+        # cannot run (AVX-512): the children compile their own (no on-disk cache) for AVX2.
+        os.environ.update(
+            TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor"),
+            TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+            TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+            TORCHINDUCTOR_CPP_MARCH="x86-64-v3",
+            ATEN_CPU_CAPABILITY="avx2",
+        )
         children = {}
         for i, name in enumerate(table):
             out, log = out_dir / f"{i}.json", out_dir / f"{i}.log"
