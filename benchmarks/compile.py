@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind")
     parser.add_argument(
-        "--only", nargs="+", help="with --instructions: these variants only (the first is the baseline)"
+        "--only", nargs="+", help="these variants only (with --instructions, the first is the baseline)"
     )
     parser.add_argument("--count-child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -204,7 +204,7 @@ def main() -> None:
     limits = LimitWarnings()
     logging.getLogger("torch._dynamo").addHandler(limits)
     every = args.every
-    table = variants(every)
+    table = {name: v for name, v in variants(every).items() if not args.only or name in args.only}
     baseline = "compiled, no callbacks"
     quiet_ms: dict[str, list[float]] = {name: [] for name in table}
     logging_ms: dict[str, list[float]] = {name: [] for name in table}
@@ -226,6 +226,11 @@ def main() -> None:
                 first_logging = (SKIP // every + 1) * every
                 quiet_ms[name].append(statistics.median(t for s, t in times if s > SKIP and s % every))
                 logging_ms[name].append(statistics.median(t for s, t in times if s > first_logging and s % every == 0))
+                print(
+                    f"# {name}: quiet {quiet_ms[name][-1] * 1e3:.2f} ms, logging {logging_ms[name][-1] * 1e3:.2f} ms, "
+                    f"{graphs[name]} graphs, {breaks[name]} breaks, {limits.count} recompile-limit warnings",
+                    flush=True,
+                )
             for name in table:
                 quiet_ratio[name].append(quiet_ms[name][-1] / quiet_ms[baseline][-1])
                 logging_ratio[name].append(logging_ms[name][-1] / logging_ms[baseline][-1])
