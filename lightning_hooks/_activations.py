@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hooks._autograd import in_backward
+from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._stats import OutputKeys, StatBatch
@@ -43,21 +44,33 @@ class ActivationRecorder:
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
-            handles.add(module.register_forward_hook(_ActivationHook(self, name)))
+            handles.add(module.register_forward_hook(_ActivationHook(self, name, self.batch)))
+
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
+    ) -> None:
+        """Hook modules inside compiled regions for a whole fit: each hook runs while its region's switch
+        is on and leaves its states in ``pending`` (see :mod:`lightning_hooks._compiled`)."""
+        for name, module, region in modules:
+            region.settles(pending)
+            handles.add(module.register_forward_hook(Switched(region.switch, _ActivationHook(self, name, pending))))
 
 
 class _ActivationHook:
-    def __init__(self, recorder: ActivationRecorder, name: str) -> None:
-        self.recorder, self.name = recorder, name
+    def __init__(self, recorder: ActivationRecorder, name: str, into: StatBatch | Pending) -> None:
+        self.recorder, self.name, self.into = recorder, name, into
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
             return
-        recorder = self.recorder
-        recorder.fired.add(self.name)
+        recorder, into = self.recorder, self.into
+        if isinstance(into, Pending):  # inside compiled code: see Pending
+            into.fired.append(self.name)
+        else:
+            recorder.fired.add(self.name)
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
-                recorder.batch.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
+                into.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
 
 
 class UnitRecorder:

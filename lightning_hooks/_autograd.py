@@ -9,8 +9,12 @@ def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread.
 
     Activation checkpointing re-runs ``forward`` (and so forward hooks) during backward;
-    ``torch.is_grad_enabled()`` cannot tell that recompute apart, the graph task id can.
+    ``torch.is_grad_enabled()`` cannot tell that recompute apart, the graph task id can. While
+    dynamo traces a forward the answer is ``False``: the graph task id cannot be traced, and a
+    compiled forward is not re-run by autograd.
     """
+    if torch.compiler.is_compiling():
+        return False
     return bool(torch._C._current_graph_task_id() != -1)
 
 

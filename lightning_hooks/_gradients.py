@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._autograd import in_backward, loss_scale
+from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shards import counted_part, is_sharded
@@ -48,6 +51,24 @@ class OutputGradRecorder:
         for name, module in modules:
             handles.add(module.register_forward_hook(_OutputGradHook(self, name)))
 
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
+    ) -> None:
+        """Hook modules inside compiled regions for a whole fit (see :mod:`lightning_hooks._compiled`).
+
+        A tensor hook registered in a traced forward would break the graph; instead, while the
+        region's switch is on, the forward hook passes each output through ``grad_probe``, a
+        custom operator that is the identity forward and hands the gradient to this recorder in
+        backward. The compiled graphs keep no graph break; a bare tensor and a flat tuple, list
+        or dict of outputs are probed (deeper nested outputs are not, under compile).
+        """
+        for name, module, region in modules:
+            region.settles(pending)
+            slot = handles.add(RemovableHandle(_READERS))
+            _READERS[slot.id] = _PathReader(self, name)
+            probe = _OutputGradProbe(str(slot.id))
+            handles.add(module.register_forward_hook(Switched(region.switch, _Fired(pending, name, probe))))
+
 
 class _OutputGradHook:
     def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
@@ -71,6 +92,93 @@ class _GradReader:
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
         self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
+
+
+class _PathReader:
+    """Hands the gradient of output ``path`` of module ``name`` to the recorder (called in backward)."""
+
+    def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+
+    def __call__(self, path: str, grad: torch.Tensor) -> None:
+        _GradReader(self.recorder, self.recorder.keys.key(self.name, path))(grad)
+
+
+_READERS: OrderedDict[int, _PathReader] = OrderedDict()
+"""The readers that ``grad_probe``'s backward calls, by slot; a slot's ``RemovableHandle`` frees it."""
+
+
+@torch.library.custom_op("lightning_hooks::grad_probe", mutates_args=())
+def _grad_probe(x: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    """The identity (a copy: a custom operator returns no alias of its input); see :func:`_grad_read`."""
+    return x.clone()
+
+
+@torch.library.custom_op("lightning_hooks::grad_read", mutates_args=())
+def _grad_read(grad: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    """``grad_probe``'s backward: give ``grad`` to the reader of ``slot``, if it is still there. The slot is a
+    string, not an int: dynamo would make an int that differs between hooks a symbolic input of the graph."""
+    reader = _READERS.get(int(slot))
+    if reader is not None:
+        reader(path, grad)
+    return grad.clone()
+
+
+@_grad_probe.register_fake
+def _grad_probe_fake(x: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_grad_read.register_fake
+def _grad_read_fake(grad: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _probe_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.slot, ctx.path = inputs[1], inputs[2]
+
+
+def _probe_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return torch.ops.lightning_hooks.grad_read(grad, ctx.slot, ctx.path), None, None
+
+
+_grad_probe.register_autograd(_probe_backward, setup_context=_probe_setup)
+
+_FLAT_OUTPUTS = (tuple, list, dict)
+
+
+class _Fired:
+    """Notes in ``pending`` that module ``name`` ran, then calls ``hook``."""
+
+    def __init__(self, pending: Pending, name: str, hook: _OutputGradProbe) -> None:
+        self.pending, self.name, self.hook = pending, name, hook
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        self.pending.fired.append(self.name)
+        return self.hook(output)
+
+
+class _OutputGradProbe:
+    """Passes each output tensor that will receive a gradient through ``grad_probe`` (inside compiled code)."""
+
+    def __init__(self, slot: str) -> None:
+        self.slot = slot
+
+    def __call__(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(output, torch.Tensor):
+            return self._probe("", output)
+        if type(output) in _FLAT_OUTPUTS:
+            items = output.items() if isinstance(output, dict) else enumerate(output)
+            probed = {k: self._probe(str(k), v) if isinstance(v, torch.Tensor) else v for k, v in items}
+            return probed if isinstance(output, dict) else type(output)(probed.values())
+        return None
+
+    def _probe(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad and t.is_floating_point():
+            return torch.ops.lightning_hooks.grad_probe(t, self.slot, path)
+        return t
 
 
 class ParamGradRecorder:

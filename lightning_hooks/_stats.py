@@ -46,6 +46,8 @@ class OutputKeys:
         self._keys: dict[tuple[str, str], Key] = {}
 
     def key(self, module: str, path: str) -> Key:
+        if torch.compiler.is_compiling():  # a constant of the graph; a lookup would guard on the cache's contents
+            return (self.group, output_label(module, path))
         found = self._keys.get((module, path))
         if found is None:
             found = self._keys[module, path] = (self.group, output_label(module, path))
@@ -220,10 +222,29 @@ def states(observations: Sequence[Observation], device: torch.device) -> torch.T
         [empty if o.raw is None else o.raw if o.raw.device == device else o.raw.to(device) for o in observations]
     )
     count = torch.tensor([float(o.numel) for o in observations], dtype=torch.float64, device=device)
+    return _state_table(count, raw)
+
+
+def _state_table(count: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """States from element counts and rows in :class:`Observation`'s ``raw`` layout."""
     mean, spread, abs_max, abs_sum, nonzero, nonfinite = raw.unbind(1)
     total = mean * count
     sum_sq = torch.addcmul(spread * spread, total, mean)  # spread² + n·mean²
     return torch.stack([count, total, sum_sq, nonzero, nonfinite, abs_sum, abs_max], dim=1)
+
+
+def state_row(t: torch.Tensor) -> torch.Tensor:
+    """The float64 state of ``t`` as a ``WIDTH`` vector on its device, with no host value in it.
+
+    What a hook inside a ``torch.compile``'d graph computes: the same numbers as :func:`observe`
+    followed by :func:`states`, the element count included, so that the graph outputs the whole
+    state (see :meth:`StatBatch.add_state`).
+    """
+    observation = observe(t)
+    if observation.raw is None:
+        return torch.zeros(WIDTH, dtype=torch.float64, device=t.device)
+    count = torch.scalar_tensor(observation.numel, dtype=torch.float64, device=t.device)
+    return _state_table(count.reshape(1), observation.raw.reshape(1, -1))[0]
 
 
 def pool(table: torch.Tensor, index: torch.Tensor, keys: int) -> torch.Tensor:
@@ -377,16 +398,18 @@ class StatBatch:
     samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     extra: dict[Key, torch.Tensor] = field(default_factory=dict)
     vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
+    rows: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    """States already computed (:func:`state_row`), pooled with the observations of their key."""
 
     def __len__(self) -> int:
-        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors)
+        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
     def clear(self) -> None:
-        self.observations, self.samples, self.extra, self.vectors = {}, {}, {}, {}
+        self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, {}, {}, {}
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -404,6 +427,14 @@ class StatBatch:
             if histogram:
                 for key, t in zip(keys, tensors, strict=True):
                     self.samples.setdefault(key, []).append(sample(t))
+
+    def add_state(self, key: Key, row: torch.Tensor, sampled: torch.Tensor | None = None) -> None:
+        """Pool a state computed elsewhere (:func:`state_row`, a compiled graph's output) under ``key``,
+        with a :func:`sample` of the tensor for the key's histogram if there is one."""
+        if self.open:
+            self.rows.setdefault(key, []).append(row)
+            if sampled is not None:
+                self.samples.setdefault(key, []).append(sampled)
 
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
         if self.open:
@@ -424,16 +455,25 @@ class StatBatch:
 
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
-        observations, samples, extra, vectors = self.observations, self.samples, self.extra, self.vectors
+        observations, samples, extra, vectors, rows = (
+            self.observations,
+            self.samples,
+            self.extra,
+            self.vectors,
+            self.rows,
+        )
         self.clear()  # closes the batch too
         device = next(
             (o.raw.device for obs in observations.values() for o in obs if o.raw is not None),
             next(
-                (v.device for v in [*extra.values(), *vectors.values(), *(s[0] for s in samples.values())]),
+                (
+                    v.device
+                    for v in [*extra.values(), *vectors.values(), *(s[0] for s in [*samples.values(), *rows.values()])]
+                ),
                 torch.device("cpu"),
             ),
         )
-        local = list(observations)
+        local = list(dict.fromkeys([*observations, *rows]))
         shared: list[Key] = []
         shared_vectors: list[tuple[Key, int]] = []
         if across is not None:  # one agreement for the states and the vectors (a vector's key carries its length)
@@ -448,10 +488,10 @@ class StatBatch:
             local = [k for k in local if k[0] not in across.groups]
         parts: list[torch.Tensor] = []
         if local:
-            parts.append(_pooled(local, observations, device))
+            parts.append(_pooled(local, observations, rows, device))
         if shared:
             assert across is not None
-            table = _pooled(shared, observations, device)
+            table = _pooled(shared, observations, rows, device)
             table[:, :_SUMMED] = across.reduce(table[:, :_SUMMED].contiguous(), "sum")
             table[:, _SUMMED:] = across.reduce(table[:, _SUMMED:].contiguous(), "max")
             parts.append(table)
@@ -491,11 +531,20 @@ class StatBatch:
         return Fetched(found, hists, scalars, found_vectors)
 
 
-def _pooled(keys: list[Key], observations: dict[Key, list[Observation]], device: torch.device) -> torch.Tensor:
-    """One state per key of ``keys``, on ``device`` (a key without observations is an empty state)."""
-    listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, [Observation(0, None)])]
-    table = states([o for _, o in listed], device)
-    if len(listed) == len(keys):
+def _pooled(
+    keys: list[Key],
+    observations: dict[Key, list[Observation]],
+    rows: dict[Key, list[torch.Tensor]],
+    device: torch.device,
+) -> torch.Tensor:
+    """One state per key of ``keys``, on ``device`` (a key with nothing recorded is an empty state)."""
+    nothing = [Observation(0, None)]
+    listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, [] if key in rows else nothing)]
+    ready = [(i, r) for i, key in enumerate(keys) for r in rows.get(key, [])]
+    table = states([o for _, o in listed], device) if listed else torch.zeros(0, WIDTH, dtype=torch.float64)
+    if ready:
+        table = torch.cat([table.to(device), torch.stack([r.to(device) for _, r in ready])])
+    index = [i for i, _ in listed] + [i for i, _ in ready]
+    if index == list(range(len(keys))):
         return table
-    index = torch.tensor([i for i, _ in listed], device=device)
-    return pool(table, index, len(keys))
+    return pool(table, torch.tensor(index, device=device), len(keys))

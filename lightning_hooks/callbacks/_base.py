@@ -14,9 +14,10 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import Pending, Region, Regions
 from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
-from lightning_hooks._select import ModuleSelector, is_compile_wrapper, label
+from lightning_hooks._select import ModuleSelector, label
 from lightning_hooks._sink import Sink
 from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive_many
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
@@ -81,11 +82,11 @@ def report_silent_modules(
     reported.add(silent)
     pl_module = trainer.lightning_module
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compiled = any(is_compile_wrapper(m) for m in pl_module.modules())
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
     compile_hint = (
-        "This model contains torch.compile'd modules: compiled code ignores hooks attached after it was first "
-        "compiled; set `torch._dynamo.config.skip_nnmodule_hook_guards = False` before `fit` so that it recompiles "
-        "when hooks come and go. "
+        "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
+        "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
+        "instead, whose regions are observed. "
         if compiled
         else ""
     )
@@ -130,6 +131,8 @@ class HookCallback(Callback):
         )
         self._handles = HookHandles()
         self._step_handles = HookHandles()
+        self._regions = Regions()
+        """The compiled regions this callback hooks into during a fit (see :mod:`lightning_hooks._compiled`)."""
         self._modules: list[tuple[str, nn.Module]] = []
         self._sink = Sink(owner)
         self.gate = StepGate()
@@ -160,6 +163,7 @@ class HookCallback(Callback):
     def _remove_hooks(self) -> None:
         self._step_handles.remove()
         self._handles.remove()
+        self._regions.leave()  # after the hooks: each compiled region gets its own entry point back
         self._modules = []
 
     def _detach(self) -> None:
@@ -169,7 +173,7 @@ class HookCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy sent to another process or saved must not drag the model along.
-        return {**self.__dict__, "_modules": []}
+        return {**self.__dict__, "_modules": [], "_regions": Regions()}
 
     @property
     @override
@@ -207,8 +211,13 @@ class HookCallback(Callback):
 class StatsCallback(HookCallback):
     """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
 
-    ``_arm_step`` attaches the observing recorders at the start of each training batch of a
-    logging step (their hooks go at its end); ``_emit`` fetches and logs once the optimizer has
+    Two regimes, chosen per module. Outside compiled code, ``_arm_step`` attaches the observing
+    recorders to ``self._eager_modules`` at the start of each training batch of a logging step
+    (their hooks go at its end): eager modules pay nothing on other steps. Modules inside a
+    ``torch.compile``'d region get their hooks once per fit from ``_attach_compiled``, switched
+    on by the region's flag for the batches of logging steps; what they compute inside the graph
+    waits in ``self._pending`` and is poured into the batch when each batch ends (see
+    :mod:`lightning_hooks._compiled`). ``_emit`` fetches and logs once the optimizer has
     stepped. The states it logs also feed the TensorBoard custom-scalars layout of the run and,
     every ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks._dashboard.Dashboard`).
     """
@@ -249,6 +258,9 @@ class StatsCallback(HookCallback):
         self.stats = _validate.subset(owner, "stats", stats, allowed_stats) or list(allowed_stats)
         self.histograms = _validate.boolean(owner, "histograms", histograms)
         self._batch = StatBatch(self.bins)
+        self._pending = Pending()
+        self._eager_modules: list[tuple[str, nn.Module]] = []
+        """The selected modules outside compiled regions, hooked on logging steps only."""
         self._enabled = True
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
@@ -259,6 +271,10 @@ class StatsCallback(HookCallback):
         """A logging step begins (its first micro-batch)."""
 
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        """Register the switched hooks of the modules inside compiled regions, for the whole fit."""
         raise NotImplementedError
 
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
@@ -276,17 +292,24 @@ class StatsCallback(HookCallback):
         self._fired.clear()
         self._fired_checked = False
         self._tag_cache = {}
+        self._pending.clear()
         self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
             rank_zero_warn(
                 f"`{type(self).__name__}` has no logger to write to (`Trainer(logger=False)`); it does nothing."
             )
+            return
+        self._eager_modules, compiled = self._regions.enter(pl_module, modules)
+        if compiled:
+            self._attach_compiled(compiled)
 
     @override
     def _detach(self) -> None:
         super()._detach()
         self._batch.clear()
+        self._pending.clear()
+        self._eager_modules = []
         self._dashboard.reset()
 
     @override
@@ -303,14 +326,18 @@ class StatsCallback(HookCallback):
             self._batch.start()
             self._start_step()
         self._arm_step(trainer, pl_module)
+        self._regions.vote(self, True)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._step_handles.remove()
+        # Also on quiet batches: another callback may have switched on a compiled region this one hooks into.
+        self._pending.pour(self._batch, self._fired)
         if not self.gate.is_open:  # a quiet batch: nothing was recorded
             return
+        self._regions.vote(self, False)  # validation and the next batch run the quiet graphs unless voted on again
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is None:  # more micro-batches of the step are to come

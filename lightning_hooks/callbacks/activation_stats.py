@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Literal
 from typing_extensions import override
 
 from lightning_hooks._activations import ActivationRecorder
+from lightning_hooks._compiled import Region
 from lightning_hooks.callbacks._base import StatsCallback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch import nn
 
 ActivationStat = Literal["mean", "std", "abs_max", "zero_frac", "nonfinite"]
 ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_frac", "nonfinite")
@@ -28,6 +30,12 @@ class ActivationStats(StatsCallback):
     times, and all micro-batches of an accumulated step, are pooled into one figure. On other
     steps no hook is attached. Validation, sanity check and the forward that activation
     checkpointing re-runs in backward are never counted.
+
+    Modules inside a ``torch.compile``'d region (``self.encoder = torch.compile(encoder)``, or
+    ``trainer.fit(torch.compile(model))``) are hooked once for the whole fit instead, each hook
+    switched by one flag per region: dynamo compiles two graphs of the region (quiet and logging)
+    and breaks neither; the statistics are computed inside the logging graph. No dynamo setting
+    is needed, and the region is as before once the fit ends (README, "torch.compile").
 
     Tags (``<layer>`` is the qualified module name, ``root`` for the LightningModule, followed by
     ``.out.<path>`` for a tensor inside a nested output such as ``lstm.out.0``):
@@ -90,7 +98,11 @@ class ActivationStats(StatsCallback):
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._recorder.attach(self._modules, self._step_handles)
+        self._recorder.attach(self._eager_modules, self._step_handles)
+
+    @override
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        self._recorder.attach_switched(modules, self._handles, self._pending)
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:

@@ -8,6 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import Region
 from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import trainable_parameters
@@ -41,6 +42,11 @@ class GradStats(StatsCallback):
 
     Everything is computed on device and reaches the host in one transfer per logging step; on
     other steps no hook is attached and nothing is computed.
+
+    Inside a ``torch.compile``'d region the output-gradient hooks stay for the whole fit,
+    switched by one flag per region (two graphs, no graph break): on logging steps each output
+    passes through an identity custom operator whose backward reads its gradient (README,
+    "torch.compile"). Parameter gradients are read outside compiled code, as in eager mode.
 
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard
     of every parameter's gradient; the shards' moments are summed and their largest magnitudes
@@ -155,7 +161,12 @@ class GradStats(StatsCallback):
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.output_grads:
-            self._outputs.attach(self._modules, self._step_handles)
+            self._outputs.attach(self._eager_modules, self._step_handles)
+
+    @override
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        if self.output_grads:
+            self._outputs.attach_switched(modules, self._handles, self._pending)
 
     @override
     def on_before_optimizer_step(

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_hooks import _validate
 from lightning_hooks._activations import UnitRecorder
+from lightning_hooks._compiled import Region
 from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
@@ -202,7 +203,18 @@ class HealthMonitor(StatsCallback):
         super()._attach(trainer, pl_module, modules)
         self._tracker = HealthTracker(self.checks, self.thresholds)
         self._checked_until = -1
-        self._leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
+        leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
+        eager = {id(m) for _, m in self._eager_modules}
+        self._leaves = [(name, m) for name, m in leaves if id(m) in eager]
+        compiled = [label(name) for name, m in leaves if id(m) not in eager]
+        if compiled and self._watch_outputs:
+            shown = ", ".join(compiled[:6]) + (f", ... ({len(compiled) - 6} more)" if len(compiled) > 6 else "")
+            rank_zero_warn(
+                f"`HealthMonitor` does not count units inside torch.compile'd regions: the checks that read layer "
+                f"outputs (dead_units, activation_growth, and nonfinite outputs) leave out {shown}; the gradient "
+                f"checks still cover their parameters. Watch them with `ActivationStats`, which observes compiled "
+                f"regions."
+            )
         self._params = trainable_parameters(modules)
         owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
         self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
@@ -217,6 +229,10 @@ class HealthMonitor(StatsCallback):
         if self._spikes and self._enabled and self._params:
             device = self._params[0][1].device
             self._ring = _LossRing([p for _, p in self._params], self.every(trainer) + 1, device)
+
+    @override
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        """Nothing: the unit counts are not traced into compiled graphs (see :meth:`_attach`)."""
 
     @override
     def _detach(self) -> None:

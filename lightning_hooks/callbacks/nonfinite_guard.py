@@ -16,6 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import eager_stance, has_compiled, run_eager
 from lightning_hooks._finding import Finding, Reading, first_finding, with_parameters
 from lightning_hooks._finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
 from lightning_hooks._replay import MicroBatch, RngState, replay, training_flags
@@ -78,6 +79,12 @@ class NonFiniteGuard(HookCallback):
     every checked step a reading of every activation, and catches what never reaches the loss
     or the gradients (a NaN in a branch masked out by ``torch.where``), which the replay's
     sentinel cannot see.
+
+    **torch.compile.** Compiled code does not call hooks attached after it was compiled: the
+    replay, and the checked batches of ``mode="eager"`` when selected modules are inside a
+    compiled region, run the compiled code eagerly (``torch.compiler.set_stance("force_eager")``)
+    so that the hooks fire. The sentinel of a healthy step runs outside the graphs and changes
+    nothing in them.
 
     **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
     minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
@@ -194,6 +201,8 @@ class NonFiniteGuard(HookCallback):
         self._warned: set[str] = set()
         self._scaler: torch.amp.GradScaler | None = None
         self._param_names: dict[int, str] = {}
+        self._compiled = False
+        """Whether some selected module is inside a compiled region (eager mode runs checked batches eagerly)."""
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -204,6 +213,7 @@ class NonFiniteGuard(HookCallback):
         self.last_finding = None
         self._eager = self.mode == "eager"
         self._every_module = list(pl_module.modules())
+        self._compiled = has_compiled(pl_module, modules)
         self._device, self._distributed = trainer.strategy.root_device, trainer.world_size > 1
         if not self._eager:
             why = _cannot_replay(trainer, pl_module)
@@ -223,6 +233,7 @@ class NonFiniteGuard(HookCallback):
         return {**super().__getstate__(), "_every_module": [], "_micro_batches": []}
 
     def _disarm(self) -> None:
+        run_eager(self, False)
         self.gate.reset()
         self._skipping = False
         self._recorder.active = False
@@ -247,6 +258,7 @@ class NonFiniteGuard(HookCallback):
             self._recorder.clear()
         self._recorder.batch_idx = batch_idx
         self._recorder.active = True
+        run_eager(self, self._compiled)  # compiled code would not call hooks attached now
         if not len(self._step_handles):  # still on when the previous step was checked too
             self._recorder.attach(self._modules, self._step_handles)
 
@@ -282,6 +294,7 @@ class NonFiniteGuard(HookCallback):
                 self._micro_batches, self._skipping = [], False
             return
         self._recorder.active = False  # what runs until the next batch (validation) is not recorded
+        run_eager(self, False)
         # The checked step is over once the optimizer stepped (after every batch in manual optimization).
         step = self.gate.end(trainer.global_step, force=not pl_module.automatic_optimization)
         if step is not None:
@@ -341,7 +354,8 @@ class NonFiniteGuard(HookCallback):
             args = (micro.batch, micro.batch_idx) if takes_batch_idx else (micro.batch,)
             return _loss_of(training_step(*args))
 
-        with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context():
+        # Compiled regions run eagerly in the replay, so that the recorder's hooks fire there.
+        with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context(), eager_stance():
             return replay(
                 pl_module, self._modules, self._micro_batches, run, trainer.strategy.root_device, backward=backward
             )

@@ -10,6 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks import _validate
+from lightning_hooks._compiled import has_compiled, run_eager
 from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
 from lightning_hooks._select import type_label
 from lightning_hooks._shapes import ShapeRecorder, format_table, parameter_count, shape_table
@@ -39,6 +40,9 @@ class ShapeLogger(HookCallback):
     silent. On other steps no hook is attached at all, so every module keeps
     ``nn.Module.__call__``'s fast path. Sanity-check, validation, test and predict passes are
     never recorded, nor is the forward that activation checkpointing re-runs during backward.
+    When selected modules are inside a ``torch.compile``'d region, the batches recorded run the
+    compiled code eagerly (``torch.compiler.set_stance("force_eager")``) so that the hooks fire;
+    its compiled graphs are neither used nor changed by those batches, and no graph breaks.
 
     With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks
     whose calls have the same structure, classes, parameter counts and shapes (the layers of an
@@ -84,16 +88,20 @@ class ShapeLogger(HookCallback):
         self._last_batch: tuple[torch.Size, ...] | None = None
         self._batch: Signature = ()
         self._params: dict[str, int] = {}
+        self._compiled = False
+        """Whether some selected module is inside a compiled region: recorded steps then run it eagerly."""
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._recorder = ShapeRecorder()
         self._params = {name: parameter_count(module) for name, module in modules}
         self._last_batch = None
+        self._compiled = has_compiled(pl_module, modules)
 
     @override
     def _detach(self) -> None:
         super()._detach()
+        run_eager(self, False)
         self._recorder.active = False
         self._recorder.clear()
         self._logged = set()
@@ -119,6 +127,8 @@ class ShapeLogger(HookCallback):
             self._recorder.clear()
             self._recorder.active = True
             self._recorder.attach(self._modules, self._step_handles, self._params)
+            # Compiled code does not call the hooks of one step: the recorded step runs it eagerly.
+            run_eager(self, self._compiled)
 
     @override
     def on_train_batch_end(
@@ -128,6 +138,7 @@ class ShapeLogger(HookCallback):
         self._step_handles.remove()
         if not self.gate.is_open:
             return
+        run_eager(self, False)
         step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
         assert step is not None
         recorder.active = False
