@@ -147,16 +147,38 @@ def _figure(n: int) -> tuple[Figure, Axes]:
     return figure, axes
 
 
+NAMED_MAX = 60
+"""A figure's axis names at most about this many layers (the widest figure has room for that many
+slanted names), plus every flagged one."""
+
+
+def named_layers(flagged: Sequence[bool], most: int = NAMED_MAX) -> tuple[list[int], int]:
+    """Which layers a figure's axis names: every ``k``-th so that at most about ``most`` are, and
+    every flagged one; and ``k``.
+
+    Example::
+
+        >>> named_layers([False] * 5)
+        ([0, 1, 2, 3, 4], 1)
+        >>> named_layers([False] * 7 + [True], most=3)
+        ([0, 3, 6, 7], 3)
+    """
+    every = max(1, math.ceil(len(flagged) / most))
+    return [i for i, bad in enumerate(flagged) if bad or i % every == 0], every
+
+
 def _finish(axes: Axes, layers: Sequence[str], flagged: Sequence[bool], title: str, ylabel: str) -> None:
     axes.set_title(title, fontsize=11)
     axes.set_ylabel(ylabel)
     axes.set_xlim(-0.6, len(layers) - 0.4)
-    axes.set_xticks(range(len(layers)))
-    axes.set_xticklabels(layers, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
-    for tick, is_flagged in zip(axes.get_xticklabels(), flagged, strict=True):
-        if is_flagged:
+    shown, every = named_layers(flagged)
+    axes.set_xticks(shown)
+    axes.set_xticklabels([layers[i] for i in shown], rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+    for tick, i in zip(axes.get_xticklabels(), shown, strict=True):
+        if flagged[i]:
             tick.set_color(_BAD_COLOR)
-    axes.set_xlabel("layer (model order)")
+    named = "" if every == 1 else f"; every {every}th named, and each flagged one"
+    axes.set_xlabel(f"layer (model order{named})")
 
 
 def _pixels(figure: Figure) -> NDArray[np.uint8]:

@@ -9,7 +9,9 @@ import torch
 
 from lightning_hooks._figures import (
     INSTALL_HINT,
+    NAMED_MAX,
     gradient_flow_series,
+    named_layers,
     render_gradient_flow,
     render_zero_fraction,
     zero_fraction_series,
@@ -83,3 +85,14 @@ def test_many_layers_widen_the_figure_up_to_a_limit() -> None:
 def test_without_matplotlib_the_renderers_say_how_to_install_it() -> None:
     with pytest.raises(ImportError, match=re.escape(f"The figures need matplotlib: {INSTALL_HINT}")):
         render_zero_fraction(["a"], [0.5], 0)
+
+
+@pytest.mark.parametrize(("count", "flagged_at"), [(24, []), (400, []), (400, [7, 133])])
+def test_a_long_axis_names_every_kth_layer_and_every_flagged_one(count: int, flagged_at: list[int]) -> None:
+    flagged = [i in flagged_at for i in range(count)]
+    shown, every = named_layers(flagged)
+    assert len(shown) <= NAMED_MAX + len(flagged_at)
+    assert set(flagged_at) <= set(shown)
+    assert shown[0] == 0
+    assert all(b - a <= every for a, b in zip(shown, shown[1:], strict=False))
+    assert every == (1 if count <= NAMED_MAX else -(-count // NAMED_MAX))
