@@ -182,10 +182,32 @@ class TensorBoardBackend(Backend):
         self.checksum_in_c(logger)
         writer = logger.experiment
         if layout and hasattr(writer, "_get_file_writer"):
-            writer._get_file_writer().add_summary(custom_scalars(layout), step)
+            writer._get_file_writer().add_summary(_closing_large_categories(custom_scalars(layout)), step)
 
     def flush(self, logger: TensorBoardLogger) -> None:
         logger.experiment.flush()
+
+
+OPEN_CHARTS_MAX = 12
+"""A custom-scalars category with more charts than this starts closed in TensorBoard."""
+
+
+def _closing_large_categories(summary: Any) -> Any:
+    """``summary`` (torch's custom-scalars summary) with its large categories closed.
+
+    TensorBoard draws every chart of every open category at once: a 24-layer transformer's
+    hundreds of charts keep a browser busy for minutes. Closed, a category costs one header until
+    the user opens it.
+    """
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    value = summary.value[0]
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(value.tensor.string_val[0])
+    for category in layout.category:
+        category.closed = len(category.chart) > OPEN_CHARTS_MAX
+    value.tensor.string_val[0] = layout.SerializeToString()
+    return summary
 
 
 class WandbBackend(Backend):

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_hooks import ActivationStats, GradStats
 from lightning_hooks._layout import STATISTICS
+from lightning_hooks._sink import OPEN_CHARTS_MAX
 from tests.helpers import TinyNet, events, make_trainer
 
 KNOWN = tuple(f"{s.prefix}/" for s in STATISTICS)
@@ -198,3 +199,13 @@ def test_a_figure_period_with_figures_false_is_refused() -> None:
         GradStats(figures=False, figure_every_n_steps=5)
     with pytest.raises(TypeError, match=r"`ActivationStats` got `figures='no'`"):
         ActivationStats(figures="no")  # type: ignore[arg-type]
+
+
+def test_categories_with_many_charts_start_closed_and_small_ones_open(tmp_path: Path) -> None:
+    make_trainer(tmp_path / "deep", [GradStats(output_grads=False, update_ratio=False)], max_steps=1).fit(DeepNet())
+    make_trainer(tmp_path / "tiny", [GradStats(output_grads=False, update_ratio=False)], max_steps=1).fit(TinyNet())
+    deep, tiny = layouts(tmp_path / "deep")[-1][1], layouts(tmp_path / "tiny")[-1][1]
+    assert [(c.title, len(c.chart) > OPEN_CHARTS_MAX, c.closed) for c in deep.category] == [
+        ("Gradients (parameters)", True, True)
+    ]
+    assert [(c.title, c.closed) for c in tiny.category] == [("Gradients (parameters)", False)]
