@@ -35,11 +35,12 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 from lightning_hooks._select import label
 from lightning_hooks._stats import State
 
-CHECKS = (
+Check = Literal[
     "dead_units",
     "vanishing_gradients",
     "exploding_gradients",
@@ -47,7 +48,10 @@ CHECKS = (
     "activation_growth",
     "nonfinite",
     "loss_spike",
-)
+]
+"""A check's name (the type of ``HealthMonitor(checks=...)``, which LightningCLI reads)."""
+
+CHECKS: tuple[str, ...] = get_args(Check)
 """Every check, in the order findings are reported."""
 
 SPIKE_WINDOW = 100

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -14,7 +14,7 @@ from lightning_hooks._activations import UnitRecorder
 from lightning_hooks._compiled import Region
 from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks._handles import HookHandles
-from lightning_hooks._health import CHECKS, HealthFinding, HealthTracker, Snapshot, Thresholds
+from lightning_hooks._health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks._health_report import COLUMNS, rows, summary, warning
 from lightning_hooks._select import label, trainable_parameters
 from lightning_hooks._shards import counted_part, is_sharded, local
@@ -26,15 +26,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
-Check = Literal[
-    "dead_units",
-    "vanishing_gradients",
-    "exploding_gradients",
-    "update_ratio",
-    "activation_growth",
-    "nonfinite",
-    "loss_spike",
-]
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite"}
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite"}
