@@ -317,15 +317,15 @@ class HealthMonitor(StatsCallback):
         for key, values in fetched.vectors.items():
             if key[0] != "units":
                 continue
-            layer, width = key[1].split(".out.", 1)[0], len(values) - 1
-            sum_sq = values[width]
+            layer, per_unit = key[1].split(".out.", 1)[0], key in self._units.per_unit
+            sum_sq = math.fsum(values)
             # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
-            numel = float(self._units.samples.get(key, 0) * max(width, 1) * trainer.world_size)
+            numel = float(self._units.samples.get(key, 0) * len(values) * trainer.world_size)
             outputs.setdefault(layer, []).append(
                 State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
             )
-            if width:
-                units.setdefault(layer, values[:width])
+            if per_unit:
+                units.setdefault(layer, values)
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for i, names in enumerate(self._grad_names):
             values, n = fetched.vectors[("grads", str(i))], len(names)
