@@ -1,0 +1,122 @@
+"""torch.compile in the setups users train with every day: gradient accumulation, DDP, bf16 autocast.
+
+Each test fits the same tiny model twice, with ``Body`` compiled and eager (same seed, same data),
+and reads back what each fit wrote; fixtures and helpers are those of ``tests/test_compile.py``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard
+from tests.helpers import events, hook_state, make_trainer, scalars
+from tests.test_compile import CompiledBody, fit
+from tests.test_finite_core import Log
+from tests.test_nonfinite_guard import ChainNet
+
+COMPILED_LAYERS = ("body", "body.fc1", "body.fc2", "body.act", "body.last")
+
+
+def observers() -> list[Any]:
+    return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2)]
+
+
+def assert_same_scalars(eager: Path, compiled: Path, steps: list[int], rel: float = 1e-5) -> list[str]:
+    """Every scalar tag the eager fit wrote, written by the compiled fit at ``steps`` with the same values."""
+    tags = sorted(events(eager).Tags()["scalars"])
+    assert sorted(events(compiled).Tags()["scalars"]) == tags
+    for tag in tags:
+        want, got = scalars(eager, tag), scalars(compiled, tag)
+        assert sorted(got) == steps, tag
+        assert got == pytest.approx(want, rel=rel, abs=1e-7), tag
+    return tags
+
+
+def test_accumulated_steps_report_what_eager_reports(tmp_path: Path) -> None:
+    # 3 batches an epoch: step 0 is batches 0 and 1, step 2 batches 0 and 1 of the second epoch; each logging
+    # step pools two micro-batches, which run the logging graph, and the quiet ones run the quiet graph.
+    common: dict[str, Any] = {"accumulate_grad_batches": 2, "max_steps": 3}
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), observers(), **common)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), observers(), **common)
+    tags = assert_same_scalars(eager.root, compiled.root, [0, 2])
+    for group in ("act_mean/", "act_std/", "out_grad_norm/", "grad_norm/", "update_ratio/"):
+        assert [t for t in tags if t.startswith(group + "body.fc1")], group
+    assert (compiled.graphs, compiled.breaks) == (2, 0)  # quiet and logging, whatever the micro-batch
+    assert not [w for w in compiled.caught if "never ran" in w or "recompile" in w]
+
+
+@pytest.mark.parametrize("mode", ["backward", "accumulated"])
+def test_grad_clamp_under_accumulation_trains_as_eager(tmp_path: Path, mode: Any) -> None:
+    common: dict[str, Any] = {"logger": False, "accumulate_grad_batches": 2, "max_steps": 3}
+    eager = fit(
+        tmp_path / "eager", CompiledBody(compiled=False), [GradClamp(0.01, mode=mode), NonFiniteGuard()], **common
+    )
+    compiled = fit(tmp_path / "compiled", CompiledBody(), [GradClamp(0.01, mode=mode), NonFiniteGuard()], **common)
+    free = fit(tmp_path / "free", CompiledBody(compiled=False), [], **common)
+    for (name, want), got in zip(eager.model.named_parameters(), compiled.model.parameters(), strict=True):
+        assert torch.allclose(got, want, atol=1e-6), name
+    assert not all(torch.allclose(a, b) for a, b in zip(eager.model.parameters(), free.model.parameters(), strict=True))
+    assert compiled.breaks == 0
+
+
+class CompiledChain(ChainNet):
+    """ChainNet with ``fc1 → act → log`` compiled as ``body``: the -1 planted in a batch makes a NaN in ``body.log``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(Log(), **kwargs)
+        chain = OrderedDict(fc1=self.fc1, act=self.act, log=self.layer3)
+        del self.fc1, self.act, self.layer3
+        self.body = torch.compile(nn.Sequential(chain))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("mode", ["replay", "eager"])
+def test_nonfinite_guard_names_the_micro_batch_and_layer_inside_a_compiled_region(tmp_path: Path, mode: Any) -> None:
+    model = CompiledChain(bad_batches=(3,))  # the second micro-batch of step 1
+    before = hook_state(model)
+    counters.clear()
+    with pytest.raises(NonFiniteError, match=r"forward: `body\.log` \(Log\)") as raised:
+        make_trainer(tmp_path, [NonFiniteGuard(mode=mode)], logger=False, accumulate_grad_batches=2).fit(model)
+    finding = raised.value.finding
+    assert finding is not None
+    assert (finding.phase, finding.module, finding.made_here) == ("forward", "body.log", True)
+    assert (finding.step, finding.batch_idx, finding.replayed) == (1, 3, mode == "replay")
+    message = str(raised.value)
+    assert "`body.fc1.weight`" in message
+    assert "_orig_mod" not in message
+    assert not counters["graph_break"]
+    assert hook_state(model) == before
+
+
+def test_bf16_autocast_reports_what_eager_reports(tmp_path: Path) -> None:
+    common: dict[str, Any] = {"precision": "bf16-mixed", "max_steps": 3}
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), [ActivationStats(log_every_n_steps=2)], **common)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), [ActivationStats(log_every_n_steps=2)], **common)
+    assert_same_scalars(eager.root, compiled.root, [0, 2], rel=2e-2)
+    assert (compiled.graphs, compiled.breaks) == (2, 0)
+    assert not [w for w in compiled.caught if "never ran" in w]
+
+
+@pytest.mark.ddp
+def test_ddp_reports_every_compiled_layer_as_eager_ddp_does(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    def model(compiled: bool) -> CompiledBody:
+        made = CompiledBody(compiled=compiled)
+        made.batch_size = 8  # 3 batches of 8 on each rank: one input shape
+        return made
+
+    for name in ("eager", "compiled"):
+        trainer = make_trainer(tmp_path / name, observers(), strategy="ddp_spawn", devices=2, max_steps=3)
+        trainer.fit(model(name == "compiled"))
+    assert "never ran" not in capfd.readouterr().err  # rank 0 warns in its own process
+    tags = assert_same_scalars(tmp_path / "eager", tmp_path / "compiled", [0, 2])
+    for layer in COMPILED_LAYERS:
+        assert {f"act_mean/{layer}", f"out_grad_norm/{layer}"} <= set(tags), layer
