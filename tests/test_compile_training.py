@@ -6,18 +6,20 @@ and reads back what each fit wrote; fixtures and helpers are those of ``tests/te
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard
 from tests.helpers import events, hook_state, make_trainer, scalars
-from tests.test_compile import CompiledBody, fit
+from tests.test_compile import Body, CompiledBody, fit
 from tests.test_finite_core import Log
 from tests.test_nonfinite_guard import ChainNet
 
@@ -106,17 +108,40 @@ def test_bf16_autocast_reports_what_eager_reports(tmp_path: Path) -> None:
     assert not [w for w in compiled.caught if "never ran" in w]
 
 
+class Twins(CompiledBody):
+    """The compiled ``body`` and an eager ``twin`` with the same weights, each under its own head (``head``,
+    ``twin_head``). The loss is the sum of both heads' losses: each half trains as it would alone, so one DDP fit
+    holds the eager run to compare with (a second ``ddp_spawn`` fit would double the test's time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # as ``body`` was made
+        self.twin, self.twin_head = Body(), copy.deepcopy(self.head)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.body(x)), self.twin_head(self.twin(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        compiled, eager = self(x)
+        return F.cross_entropy(compiled, y) + F.cross_entropy(eager, y)
+
+
 @pytest.mark.ddp
 def test_ddp_reports_every_compiled_layer_as_eager_ddp_does(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    def model(compiled: bool) -> CompiledBody:
-        made = CompiledBody(compiled=compiled)
-        made.batch_size = 8  # 3 batches of 8 on each rank: one input shape
-        return made
-
-    for name in ("eager", "compiled"):
-        trainer = make_trainer(tmp_path / name, observers(), strategy="ddp_spawn", devices=2, max_steps=3)
-        trainer.fit(model(name == "compiled"))
+    model = Twins()
+    assert all(torch.equal(a, b) for a, b in zip(model.body.parameters(), model.twin.parameters(), strict=True))
+    model.batch_size = 8  # 3 batches of 8 on each rank: one input shape
+    make_trainer(tmp_path, observers(), strategy="ddp_spawn", devices=2, max_steps=3).fit(model)
     assert "never ran" not in capfd.readouterr().err  # rank 0 warns in its own process
-    tags = assert_same_scalars(tmp_path / "eager", tmp_path / "compiled", [0, 2])
-    for layer in COMPILED_LAYERS:
-        assert {f"act_mean/{layer}", f"out_grad_norm/{layer}"} <= set(tags), layer
+    tags = events(tmp_path).Tags()["scalars"]
+    twin_tags = [t for t in tags if "/twin" in t]
+    for layer in (*COMPILED_LAYERS, "head"):
+        for stat in ("act_mean", "act_std", "out_grad_norm", "out_grad_abs_max"):
+            assert f"{stat}/{layer.replace('body', 'twin').replace('head', 'twin_head')}" in twin_tags
+    assert len(twin_tags) > 50
+    for eager_tag in twin_tags:
+        tag = eager_tag.replace("/twin_head", "/head").replace("/twin", "/body")
+        want, got = scalars(tmp_path, eager_tag), scalars(tmp_path, tag)
+        assert sorted(got) == [0, 2], tag
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
