@@ -1,7 +1,8 @@
 """torch.compile in the setups users train with every day: gradient accumulation, DDP, bf16 autocast.
 
-Each test fits the same tiny model twice, with ``Body`` compiled and eager (same seed, same data),
-and reads back what each fit wrote; fixtures and helpers are those of ``tests/test_compile.py``.
+Each test fits the same tiny model with ``Body`` compiled and eager (same seed, same data) and
+reads back what each fit wrote; the models and callbacks are those of ``tests/test_compile.py``,
+so that in a full run inductor's cache already holds most graphs these fits compile.
 """
 
 from __future__ import annotations
@@ -17,17 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard
+from lightning_hooks import ActivationStats, GradClamp, NonFiniteError, NonFiniteGuard
 from tests.helpers import events, hook_state, make_trainer, scalars
-from tests.test_compile import Body, CompiledBody, fit
+from tests.test_compile import Body, CompiledBody, fit, statistics
 from tests.test_finite_core import Log
 from tests.test_nonfinite_guard import ChainNet
 
 COMPILED_LAYERS = ("body", "body.fc1", "body.fc2", "body.act", "body.last")
-
-
-def observers() -> list[Any]:
-    return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2)]
 
 
 def assert_same_scalars(eager: Path, compiled: Path, steps: list[int], rel: float = 1e-5) -> list[str]:
@@ -45,11 +42,14 @@ def test_accumulated_steps_report_what_eager_reports(tmp_path: Path) -> None:
     # 3 batches an epoch: step 0 is batches 0 and 1, step 2 batches 0 and 1 of the second epoch; each logging
     # step pools two micro-batches, which run the logging graph, and the quiet ones run the quiet graph.
     common: dict[str, Any] = {"accumulate_grad_batches": 2, "max_steps": 3}
-    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), observers(), **common)
-    compiled = fit(tmp_path / "compiled", CompiledBody(), observers(), **common)
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), statistics(), **common)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), statistics(), **common)
     tags = assert_same_scalars(eager.root, compiled.root, [0, 2])
     for group in ("act_mean/", "act_std/", "out_grad_norm/", "grad_norm/", "update_ratio/"):
         assert [t for t in tags if t.startswith(group + "body.fc1")], group
+    want, got = events(eager.root).Histograms("act/body.act"), events(compiled.root).Histograms("act/body.act")
+    # 16 rows x 8 units, 2 calls of `act` a forward, 2 micro-batches
+    assert [h.histogram_value.num for h in got] == [h.histogram_value.num for h in want] == [512.0] * 2
     assert (compiled.graphs, compiled.breaks) == (2, 0)  # quiet and logging, whatever the micro-batch
     assert not [w for w in compiled.caught if "never ran" in w or "recompile" in w]
 
@@ -114,7 +114,7 @@ class Twins(CompiledBody):
     holds the eager run to compare with (a second ``ddp_spawn`` fit would double the test's time)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(n=64)  # 2 batches of 16 on each rank: the shape the other tests compile for
         torch.manual_seed(0)  # as ``body`` was made
         self.twin, self.twin_head = Body(), copy.deepcopy(self.head)
 
@@ -131,8 +131,7 @@ class Twins(CompiledBody):
 def test_ddp_reports_every_compiled_layer_as_eager_ddp_does(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     model = Twins()
     assert all(torch.equal(a, b) for a, b in zip(model.body.parameters(), model.twin.parameters(), strict=True))
-    model.batch_size = 8  # 3 batches of 8 on each rank: one input shape
-    make_trainer(tmp_path, observers(), strategy="ddp_spawn", devices=2, max_steps=3).fit(model)
+    make_trainer(tmp_path, statistics(), strategy="ddp_spawn", devices=2, max_steps=3).fit(model)
     assert "never ran" not in capfd.readouterr().err  # rank 0 warns in its own process
     tags = events(tmp_path).Tags()["scalars"]
     twin_tags = [t for t in tags if "/twin" in t]
