@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_hooks import ActivationStats, GradClamp, NonFiniteError, NonFiniteGuard
+from lightning_hooks import GradClamp, NonFiniteError, NonFiniteGuard
 from tests.helpers import events, hook_state, make_trainer, scalars
 from tests.test_compile import Body, CompiledBody, fit, statistics
 from tests.test_finite_core import Log
@@ -101,9 +101,10 @@ def test_nonfinite_guard_names_the_micro_batch_and_layer_inside_a_compiled_regio
 
 def test_bf16_autocast_reports_what_eager_reports(tmp_path: Path) -> None:
     common: dict[str, Any] = {"precision": "bf16-mixed", "max_steps": 3}
-    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), [ActivationStats(log_every_n_steps=2)], **common)
-    compiled = fit(tmp_path / "compiled", CompiledBody(), [ActivationStats(log_every_n_steps=2)], **common)
-    assert_same_scalars(eager.root, compiled.root, [0, 2], rel=2e-2)
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), statistics(), **common)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), statistics(), **common)
+    tags = assert_same_scalars(eager.root, compiled.root, [0, 2], rel=1e-2)  # bf16 rounds where inductor fuses
+    assert {"act_mean/body.fc1", "out_grad_norm/body.fc1", "grad_norm/body.fc1.weight"} <= set(tags)
     assert (compiled.graphs, compiled.breaks) == (2, 0)
     assert not [w for w in compiled.caught if "never ran" in w]
 
@@ -111,7 +112,7 @@ def test_bf16_autocast_reports_what_eager_reports(tmp_path: Path) -> None:
 class Twins(CompiledBody):
     """The compiled ``body`` and an eager ``twin`` with the same weights, each under its own head (``head``,
     ``twin_head``). The loss is the sum of both heads' losses: each half trains as it would alone, so one DDP fit
-    holds the eager run to compare with (a second ``ddp_spawn`` fit would double the test's time)."""
+    holds the eager run to compare with (a second DDP fit would double the test's time)."""
 
     def __init__(self) -> None:
         super().__init__(n=64)  # 2 batches of 16 on each rank: the shape the other tests compile for
@@ -128,10 +129,21 @@ class Twins(CompiledBody):
 
 
 @pytest.mark.ddp
-def test_ddp_reports_every_compiled_layer_as_eager_ddp_does(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_ddp_with_accumulation_reports_every_compiled_layer_as_eager_ddp_does(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     model = Twins()
     assert all(torch.equal(a, b) for a, b in zip(model.body.parameters(), model.twin.parameters(), strict=True))
-    make_trainer(tmp_path, statistics(), strategy="ddp_spawn", devices=2, max_steps=3).fit(model)
+    initial = copy.deepcopy(model.body.state_dict())
+    callbacks = [*statistics(), GradClamp(0.01)]
+    # `ddp_fork`: the processes inherit the imports and inductor's in-memory caches of this one (inductor resets its
+    # compile workers after a fork): 6 s, where `ddp_spawn` takes 20-35 s on the 2-core VM. tests/test_ddp.py covers
+    # the `ddp` and `ddp_spawn` launchers; the callbacks do not depend on how the processes started.
+    trainer = make_trainer(tmp_path, callbacks, strategy="ddp_fork", devices=2, max_steps=3, accumulate_grad_batches=2)
+    trainer.fit(model)
+    for (name, compiled), eager in zip(model.body.named_parameters(), model.twin.parameters(), strict=True):
+        assert torch.allclose(compiled, eager, atol=1e-6), name  # clamped on each rank, all-reduced, stepped alike
+        assert not torch.allclose(compiled, initial[name]), name  # trained: rank 0's weights came back
     assert "never ran" not in capfd.readouterr().err  # rank 0 warns in its own process
     tags = events(tmp_path).Tags()["scalars"]
     twin_tags = [t for t in tags if "/twin" in t]
