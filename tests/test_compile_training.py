@@ -103,7 +103,7 @@ def test_bf16_autocast_reports_what_eager_reports(tmp_path: Path) -> None:
     common: dict[str, Any] = {"precision": "bf16-mixed", "max_steps": 3}
     eager = fit(tmp_path / "eager", CompiledBody(compiled=False), statistics(), **common)
     compiled = fit(tmp_path / "compiled", CompiledBody(), statistics(), **common)
-    tags = assert_same_scalars(eager.root, compiled.root, [0, 2], rel=1e-2)  # bf16 rounds where inductor fuses
+    tags = assert_same_scalars(eager.root, compiled.root, [0, 2], rel=1e-2)  # bit-equal here; other CPUs may round
     assert {"act_mean/body.fc1", "out_grad_norm/body.fc1", "grad_norm/body.fc1.weight"} <= set(tags)
     assert (compiled.graphs, compiled.breaks) == (2, 0)
     assert not [w for w in compiled.caught if "never ran" in w]
