@@ -1,14 +1,18 @@
 """Custom-scalars layout and figures, written by real fits and read back with TensorBoard's own reader."""
 
+import io
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from PIL import Image
 from tensorboard.plugins.custom_scalar import layout_pb2, metadata
 from torch import nn
+from torch.utils.tensorboard.summary import image as image_summary
 
 from lightning_hooks import ActivationStats, GradStats
 from lightning_hooks._layout import STATISTICS
@@ -116,6 +120,17 @@ def test_figures_are_drawn_on_logging_steps_that_are_multiples_of_the_figure_per
     assert image.encoded_image_string.startswith(b"\x89PNG")
     assert image.width >= 600
     assert image.height >= 400
+
+
+def test_a_figure_is_written_as_tensorboards_own_add_image_writes_it(tmp_path: Path) -> None:
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1)], max_steps=1).fit(TinyNet())
+    [written] = events(tmp_path).Images("figures/gradient_flow")
+    pixels = np.asarray(Image.open(io.BytesIO(written.encoded_image_string)))
+    assert pixels.dtype == np.uint8
+    assert pixels.shape == (written.height, written.width, 3)
+    [expected] = image_summary("figures/gradient_flow", pixels, dataformats="HWC").value
+    assert written.encoded_image_string == expected.image.encoded_image_string
+    assert (written.height, written.width) == (expected.image.height, expected.image.width)
 
 
 def test_default_figures_stay_within_their_time_share_and_the_last_skipped_one_is_drawn_at_the_end(
