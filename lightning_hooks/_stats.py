@@ -117,6 +117,48 @@ def observe(t: torch.Tensor) -> Observation:
     return Observation(n, raw)
 
 
+ROW_MAX = 1 << 15
+""":meth:`StatBatch.add` copies tensors of at most this many elements and reduces them later, many at once.
+
+Such a tensor costs :func:`observe` about 35 µs on CPU (3 µs per operator, and each of its few
+thousand elements in cache), most of it launch cost: a float32 copy in the hook, stacked with the
+copies of the same shape into a matrix whose rows are reduced together (:func:`observe_rows`),
+costs about a third of that. A larger tensor's own work outweighs its launches: it is reduced
+in the hook by :func:`observe`, as before, with no copy.
+"""
+
+ROW_CHUNK = 1 << 17
+"""A bucket of copies is reduced as soon as it holds this many elements (512 KB of float32).
+
+Small enough for the matrix and its temporary to stay in a core's cache: on the development
+VM, the rows of 342 tensors of 8,192 elements took 3.6 ms in matrices of 16 rows, 6.2 ms in
+matrices of 128 and 8.5 ms in one (each pass then streams from memory), against 12.8 ms for
+:func:`observe` on each. It also bounds what a bucket holds: at most this many elements.
+"""
+
+PENDING_MAX = 1 << 22
+"""Elements of copies that may wait in all buckets together (16 MB of float32) before every bucket is reduced."""
+
+
+def observe_rows(m: torch.Tensor) -> torch.Tensor:
+    """``(k, 6)`` float64 rows in :class:`Observation`'s ``raw`` layout, one per row of the float32 matrix ``m``.
+
+    What :func:`observe` gives for each row, in a dozen operators for all of them; ``m`` is
+    overwritten (it is a copy made for this). Counts are float32 sums of ones, exact for rows of
+    up to 2**24 elements. Cheaper kernels than those of :func:`observe` on a row-wise matrix:
+    ``count_nonzero(dim=1)`` measured 4.6 ms on 2.8 M elements, a comparison written into a float
+    matrix and summed 0.8 ms.
+    """
+    mean = m.mean(1)
+    magnitude = m.abs()
+    abs_max = magnitude.amax(1)  # NaN wins
+    abs_sum = magnitude.sum(1)
+    spread = torch.linalg.vector_norm(m.sub_(mean.unsqueeze(1)), dim=1)
+    nonzero = torch.ne(magnitude, 0, out=m).sum(1)  # NaN counts as non-zero, as in count_nonzero
+    nonfinite = torch.ne(magnitude.mul_(0), 0, out=m).sum(1)  # |x| * 0 is NaN exactly for NaN and Inf
+    return torch.stack([mean, spread, abs_max, abs_sum, nonzero, nonfinite], dim=1).double()
+
+
 FUSED_MAX = 1024
 """:func:`observe_many` fuses tensors of at most this many elements and reduces larger ones one by one.
 
@@ -389,7 +431,9 @@ class StatBatch:
 
     Observations under the same key (a module called twice, several micro-batches) are pooled.
     Nothing is taken unless ``open``: a tensor hook that fires after the batch was fetched (a
-    late backward) adds nothing to the next one.
+    late backward) adds nothing to the next one. Tensors of up to :data:`ROW_MAX` elements are
+    copied and wait in ``queued``, by device and shape, to be reduced many at once (see
+    :meth:`add`).
     """
 
     bins: int = 64
@@ -400,6 +444,10 @@ class StatBatch:
     vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
     rows: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """States already computed (:func:`state_row`), pooled with the observations of their key."""
+    queued: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = field(default_factory=dict)
+    """Copies waiting to be reduced, with their keys, by device and shape."""
+    pending: int = 0
+    """How many elements wait in ``queued``."""
 
     def __len__(self) -> int:
         return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
@@ -410,14 +458,53 @@ class StatBatch:
 
     def clear(self) -> None:
         self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, {}, {}, {}
+        self.queued, self.pending = {}, 0
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
-        """Observe ``t`` under ``key``, and keep a sample of it for the key's histogram if asked."""
+        """Observe ``t`` under ``key``, and keep a sample of it for the key's histogram if asked.
+
+        A tensor of at most :data:`ROW_MAX` elements is copied (as float32, what :func:`observe`
+        reduces: an in-place op after a forward hook, or autograd reusing a gradient's buffer,
+        cannot change what was taken) into the bucket of its device and shape. A bucket is reduced
+        by :func:`observe_rows` once it holds :data:`ROW_CHUNK` elements, all buckets once
+        :data:`PENDING_MAX` elements wait, and whatever is left when the batch is fetched: the
+        operators per tensor fall from a dozen to a copy. Larger tensors are reduced at once.
+        """
         if self.open:
-            self.observations.setdefault(key, []).append(observe(t))
+            n = t.numel()
+            if 0 < n <= ROW_MAX:
+                copy = t.detach().to(torch.float32, copy=True)
+                where = (copy.device, copy.shape)
+                bucket = self.queued.get(where)
+                if bucket is None:
+                    bucket = self.queued[where] = ([], [])
+                bucket[0].append(key)
+                bucket[1].append(copy)
+                self.observations.setdefault(key, [])  # the key's place in call order
+                self.pending += n
+                if len(bucket[1]) * n >= ROW_CHUNK:
+                    self._reduce(where)
+                elif self.pending >= PENDING_MAX:
+                    self.reduce_queued()
+            else:
+                self.observations.setdefault(key, []).append(observe(t))
             if histogram:
                 self.samples.setdefault(key, []).append(sample(t))
+
+    def reduce_queued(self) -> None:
+        """Reduce every bucket of copies (see :meth:`add`)."""
+        for where in list(self.queued):
+            self._reduce(where)
+
+    def _reduce(self, where: tuple[torch.device, torch.Size]) -> None:
+        keys, copies = self.queued.pop(where)
+        n = copies[0].numel()
+        self.pending -= n * len(copies)
+        with torch.no_grad():
+            raw = observe_rows(torch.stack(copies).view(len(copies), n))
+        for key, row in zip(keys, raw.unbind(0), strict=True):
+            self.observations[key].append(Observation(n, row))
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
@@ -455,6 +542,7 @@ class StatBatch:
 
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, move everything to the host in one copy, and empty the batch."""
+        self.reduce_queued()
         observations, samples, extra, vectors, rows = (
             self.observations,
             self.samples,
