@@ -366,17 +366,61 @@ def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:
     ``bins`` equal buckets from the smallest to the largest finite value, the last one closed, as
     ``torch.histc`` lays them; counted on device with ``scatter_add`` so that nothing waits for the host.
     """
-    x = values.detach().flatten().double()
+    return histogram_rows(values.detach().reshape(1, -1), bins)[0]
+
+
+HIST_CHUNK = 1 << 17
+""":func:`histograms` counts at most this many values at once (a few MB of temporaries, kept in cache)."""
+
+
+def histograms(values: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
+    """``(len(values), 5 + bins)``: the :func:`histogram` of each of ``values`` (one device), in a number of
+    operators that grows with the number of distinct lengths, not of tensors: values of one length are
+    stacked into a matrix, :data:`HIST_CHUNK` values at a time, and counted row by row."""
+    by_length: dict[int, list[int]] = {}
+    for i, v in enumerate(values):
+        by_length.setdefault(v.numel(), []).append(i)
+    rows: list[torch.Tensor] = [values[0]] * len(values)
+    for length, indices in by_length.items():
+        per = max(1, HIST_CHUNK // max(length, 1))
+        for start in range(0, len(indices), per):
+            part = indices[start : start + per]
+            matrix = torch.stack([values[i].reshape(-1) for i in part])
+            for i, row in zip(part, histogram_rows(matrix, bins).unbind(0), strict=True):
+                rows[i] = row
+    return torch.stack(rows)
+
+
+def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """:func:`histogram` of each row of the matrix ``x``, as a ``(rows, 5 + bins)`` float64 matrix.
+
+    On CPU, where reading a value costs no transfer, rows known to hold only finite values (their
+    float64 sum is finite) skip the masks that NaN and Inf need: ``isfinite`` and ``where`` are the
+    slowest passes here (2 ns per element against 0.1 to 0.5 for a sum or an arithmetic op).
+    """
+    x = x.double()
+    k, n = x.shape
+    if n == 0:
+        return torch.zeros(k, 5 + bins, dtype=x.dtype, device=x.device)
+    total = x.sum(1, keepdim=True)
+    offsets = torch.arange(0, k * bins, bins, device=x.device).unsqueeze(1)  # row r counts into its own buckets
+    if x.device.type == "cpu" and bool(total.isfinite().all()):
+        lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        index = (x - lo).div_(torch.clamp(hi - lo, min=1e-12)).mul_(bins).floor_().clamp_(0, bins - 1).long()
+        counts = torch.bincount(index.add_(offsets).view(-1), minlength=k * bins).to(x.dtype)
+        head = torch.cat([lo, hi, torch.full_like(lo, n), total, (x * x).sum(1, keepdim=True)], 1)
+        return torch.cat([head, counts.view(k, bins)], 1)
     finite = torch.isfinite(x)
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    lo = torch.where(finite, x, math.inf).amin() if x.numel() else zero
-    hi = torch.where(finite, x, -math.inf).amax() if x.numel() else zero
-    safe = torch.where(finite, x, zero)
+    lo = torch.where(finite, x, math.inf).amin(1, keepdim=True)
+    hi = torch.where(finite, x, -math.inf).amax(1, keepdim=True)
+    safe = torch.where(finite, x, 0.0)
     width = torch.clamp(hi - lo, min=1e-12)
-    index = ((safe - lo) / width * bins).floor().clamp(0, bins - 1).long()
-    counts = torch.zeros(bins, dtype=x.dtype, device=x.device).scatter_add_(0, index, finite.to(x.dtype))
-    head = torch.stack([lo, hi, finite.sum().to(x.dtype), safe.sum(), (safe * safe).sum()])
-    return torch.cat([head, counts])
+    index = ((safe - lo) / width * bins).floor_().clamp_(0, bins - 1).long()
+    counts = torch.zeros(k * bins, dtype=x.dtype, device=x.device)
+    counts.scatter_add_(0, index.add_(offsets).view(-1), finite.to(x.dtype).view(-1))
+    squares = (safe * safe).sum(1, keepdim=True)
+    head = torch.cat([lo, hi, finite.sum(1, keepdim=True).to(x.dtype), safe.sum(1, keepdim=True), squares], 1)
+    return torch.cat([head, counts.view(k, bins)], 1)
 
 
 @dataclass
@@ -584,7 +628,10 @@ class StatBatch:
             table[:, _SUMMED:] = across.reduce(table[:, _SUMMED:].contiguous(), "max")
             parts.append(table)
         hist_keys = list(samples)
-        parts.extend(histogram(torch.cat([s.to(device) for s in samples[k]]), self.bins) for k in hist_keys)
+        if hist_keys:
+            parts.append(
+                histograms([torch.cat(s).to(device) if len(s) > 1 else s[0].to(device) for s in samples.values()], self.bins)
+            )
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
             parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
         vector_keys = [(k, v.numel()) for k, v in vectors.items() if across is None or k[0] not in across.groups]
