@@ -638,9 +638,8 @@ class StatBatch:
             parts.append(table)
         hist_keys = list(samples)
         if hist_keys:
-            parts.append(
-                histograms([torch.cat(s).to(device) if len(s) > 1 else s[0].to(device) for s in samples.values()], self.bins)
-            )
+            calls = [torch.cat(s) if len(s) > 1 else s[0] for s in samples.values()]
+            parts.append(histograms([c.to(device) for c in calls], self.bins))
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
             parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
         vector_keys = [(k, v.numel()) for k, v in vectors.items() if across is None or k[0] not in across.groups]
@@ -688,14 +687,14 @@ def _pooled(
     tables = [states([o for _, o in listed], device)] if listed else []
     index = [i for i, _ in listed]
     for block_keys, numel, raw in blocks:  # a bucket's keys may belong to groups fetched apart
-        at = [position.get(key) for key in block_keys]
-        kept = [j for j, i in enumerate(at) if i is not None]
+        at = [position.get(key, -1) for key in block_keys]
+        kept = [j for j, i in enumerate(at) if i >= 0]
         if len(kept) < len(at):
             raw = raw[kept]
         if kept:
             count = torch.full((len(kept),), float(numel), dtype=torch.float64, device=device)
             tables.append(_state_table(count, raw.to(device)))
-            index += [at[j] for j in kept]  # type: ignore[misc]
+            index += [at[j] for j in kept]
     ready = [(i, r) for i, key in enumerate(keys) for r in rows.get(key, [])]
     if ready:
         tables.append(torch.stack([r.to(device) for _, r in ready]))

@@ -52,7 +52,9 @@ class RowNet(TinyNet):
 
 
 @pytest.mark.parametrize("chunk", [1 << 17, 20])
-def test_logged_statistics_equal_the_per_tensor_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+def test_logged_statistics_equal_the_per_tensor_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
     # 20 elements per bucket: the [8, 8] outputs are reduced one by one, in the middle of forward and backward
     monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
     model = RowNet()
