@@ -473,6 +473,27 @@ class Fetched(NamedTuple):
     vectors: dict[Key, list[float]] = {}
 
 
+class _Bucket:
+    """Copies of tensors of one device and shape waiting to be reduced together; ``rows[i]`` is ``keys[i]``'s copy."""
+
+    __slots__ = ("copies", "keys", "rows")
+
+    def __init__(self) -> None:
+        self.keys: list[Key] = []
+        self.rows: list[int] = []
+        self.copies: list[torch.Tensor] = []
+
+
+class Block(NamedTuple):
+    """A reduced bucket: ``raw`` has one row per copy (:class:`Observation`'s layout), of ``numel`` elements each;
+    ``rows[i]`` is the row of ``keys[i]``."""
+
+    keys: list[Key]
+    rows: list[int]
+    numel: int
+    raw: torch.Tensor
+
+
 @dataclass
 class StatBatch:
     """What a step records, kept on device and fetched with a single device-to-host copy.
@@ -492,12 +513,14 @@ class StatBatch:
     vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
     rows: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """States already computed (:func:`state_row`), pooled with the observations of their key."""
-    queued: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = field(default_factory=dict)
+    queued: dict[tuple[torch.device, torch.Size], _Bucket] = field(default_factory=dict)
     """Copies waiting to be reduced, with their keys, by device and shape."""
     pending: int = 0
     """How many elements wait in ``queued``."""
-    blocks: list[tuple[list[Key], int, torch.Tensor]] = field(default_factory=list)
-    """Reduced buckets: their keys, the element count of each tensor, and their rows in ``Observation.raw`` layout."""
+    blocks: list[Block] = field(default_factory=list)
+    """Reduced buckets."""
+    last: tuple[torch.Tensor, int | None, _Bucket | Observation] | None = None
+    """The tensor taken last, its version, and where it went (until its bucket is reduced)."""
 
     def __len__(self) -> int:
         return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
@@ -508,7 +531,7 @@ class StatBatch:
 
     def clear(self) -> None:
         self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, {}, {}, {}
-        self.queued, self.pending, self.blocks = {}, 0, []
+        self.queued, self.pending, self.blocks, self.last = {}, 0, [], None
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -520,27 +543,53 @@ class StatBatch:
         by :func:`observe_rows` once it holds :data:`ROW_CHUNK` elements, all buckets once
         :data:`PENDING_MAX` elements wait, and whatever is left when the batch is fetched: the
         operators per tensor fall from a dozen to a copy. Larger tensors are reduced at once.
+
+        The tensor taken just before, unchanged since (the same object at the same version), is not
+        taken again: its row or observation is shared with the new key. That is a module whose
+        output is its last child's (``nn.Sequential``, a block ending in a projection), and the two
+        tensor hooks such a shared output gets in backward.
         """
-        if self.open:
-            n = t.numel()
-            if 0 < n <= ROW_MAX:
-                copy = t.detach().to(torch.float32, copy=True)
-                where = (copy.device, copy.shape)
-                bucket = self.queued.get(where)
-                if bucket is None:
-                    bucket = self.queued[where] = ([], [])
-                bucket[0].append(key)
-                bucket[1].append(copy)
-                self.observations.setdefault(key, [])  # the key's place in call order
-                self.pending += n
-                if len(bucket[1]) * n >= ROW_CHUNK:
-                    self._reduce(where)
-                elif self.pending >= PENDING_MAX:
-                    self.reduce_queued()
+        if not self.open:
+            return
+        try:
+            version: int | None = t._version
+        except RuntimeError:  # an inference tensor has no version: never shared
+            version = None
+        last = self.last
+        if last is not None and last[0] is t and version is not None and last[1] == version:
+            self.observations.setdefault(key, [])
+            if isinstance(last[2], _Bucket):
+                last[2].keys.append(key)
+                last[2].rows.append(last[2].rows[-1])
             else:
-                self.observations.setdefault(key, []).append(observe(t))
-            if histogram:
-                self.samples.setdefault(key, []).append(sample(t))
+                self.observations[key].append(last[2])
+        else:
+            self._take(key, t, version)
+        if histogram:
+            self.samples.setdefault(key, []).append(sample(t))
+
+    def _take(self, key: Key, t: torch.Tensor, version: int | None) -> None:
+        n = t.numel()
+        if not 0 < n <= ROW_MAX:
+            observation = observe(t)
+            self.observations.setdefault(key, []).append(observation)
+            self.last = (t, version, observation)
+            return
+        copy = t.detach().to(torch.float32, copy=True)
+        where = (copy.device, copy.shape)
+        bucket = self.queued.get(where)
+        if bucket is None:
+            bucket = self.queued[where] = _Bucket()
+        bucket.keys.append(key)
+        bucket.rows.append(len(bucket.copies))
+        bucket.copies.append(copy)
+        self.observations.setdefault(key, [])  # the key's place in call order
+        self.last = (t, version, bucket)
+        self.pending += n
+        if len(bucket.copies) * n >= ROW_CHUNK:
+            self._reduce(where)
+        elif self.pending >= PENDING_MAX:
+            self.reduce_queued()
 
     def reduce_queued(self) -> None:
         """Reduce every bucket of copies (see :meth:`add`)."""
@@ -548,11 +597,14 @@ class StatBatch:
             self._reduce(where)
 
     def _reduce(self, where: tuple[torch.device, torch.Size]) -> None:
-        keys, copies = self.queued.pop(where)
+        bucket = self.queued.pop(where)
+        copies = bucket.copies
         n = copies[0].numel()
         self.pending -= n * len(copies)
+        self.last = None
         with torch.no_grad():
-            self.blocks.append((keys, n, observe_rows(torch.stack(copies).view(len(copies), n))))
+            raw = observe_rows(torch.stack(copies).view(len(copies), n))
+        self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
@@ -603,7 +655,7 @@ class StatBatch:
         device = next(
             (
                 raw.device
-                for raw in [*(b[2] for b in blocks), *(o.raw for obs in observations.values() for o in obs)]
+                for raw in [*(b.raw for b in blocks), *(o.raw for obs in observations.values() for o in obs)]
                 if raw is not None
             ),
             next(
@@ -678,7 +730,7 @@ def _pooled(
     keys: list[Key],
     observations: dict[Key, list[Observation]],
     rows: dict[Key, list[torch.Tensor]],
-    blocks: list[tuple[list[Key], int, torch.Tensor]],
+    blocks: list[Block],
     device: torch.device,
 ) -> torch.Tensor:
     """One state per key of ``keys``, on ``device`` (a key with nothing recorded is an empty state)."""
@@ -686,15 +738,17 @@ def _pooled(
     listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, ())]
     tables = [states([o for _, o in listed], device)] if listed else []
     index = [i for i, _ in listed]
-    for block_keys, numel, raw in blocks:  # a bucket's keys may belong to groups fetched apart
-        at = [position.get(key, -1) for key in block_keys]
+    for block in blocks:  # a bucket's keys may belong to groups fetched apart, a row to several keys
+        at = [position.get(key, -1) for key in block.keys]
         kept = [j for j, i in enumerate(at) if i >= 0]
-        if len(kept) < len(at):
-            raw = raw[kept]
-        if kept:
-            count = torch.full((len(kept),), float(numel), dtype=torch.float64, device=device)
-            tables.append(_state_table(count, raw.to(device)))
-            index += [at[j] for j in kept]
+        if not kept:
+            continue
+        raw = block.raw
+        if len(kept) < len(at) or len(block.rows) > len(raw):
+            raw = raw[[block.rows[j] for j in kept]]
+        count = torch.full((len(kept),), float(block.numel), dtype=torch.float64, device=device)
+        tables.append(_state_table(count, raw.to(device)))
+        index += [at[j] for j in kept]
     ready = [(i, r) for i, key in enumerate(keys) for r in rows.get(key, [])]
     if ready:
         tables.append(torch.stack([r.to(device) for _, r in ready]))

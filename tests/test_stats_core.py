@@ -380,3 +380,22 @@ def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_re
     copies = many - few
     assert copies == Counter({"aten::detach": 350, "aten::to": 350})  # what each tensor pays: its copy
     assert sum((few - Counter({"aten::detach": 50, "aten::to": 50})).values()) < 40  # reductions, pooling
+
+
+def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
+    batch = StatBatch()
+    batch.start()
+    x, large, y = seeded(3, 4, seed=50), seeded(_stats.ROW_MAX + 1, seed=51), seeded(3, 4, seed=52)
+    batch.add(("act", "mlp.2"), x)
+    batch.add(("act", "mlp"), x)  # a module whose output is its last child's
+    batch.add(("act", "head"), large)
+    batch.add(("act", "root"), large)
+    batch.add(("act", "fc"), y)
+    y.relu_()  # ReLU(inplace=True) returns the same tensor, changed
+    batch.add(("act", "relu"), y)
+    assert sum(len(b.copies) for b in batch.queued.values()) == 3  # x, y before and after the ReLU
+    got = batch.fetch().states
+    assert got["act", "mlp"] == got["act", "mlp.2"] == state(x)
+    assert got["act", "root"] == got["act", "head"] == state(large)
+    assert got["act", "relu"] == state(y)
+    assert got["act", "fc"].nonzero == 12
