@@ -128,7 +128,7 @@ in the hook by :func:`observe`, as before, with no copy.
 """
 
 ROW_CHUNK = 1 << 17
-"""A bucket of copies is reduced as soon as it holds this many elements (512 KB of float32).
+"""A bucket has rows for this many elements (512 KB of float32) and is reduced when they are all written.
 
 Small enough for the matrix and its temporary to stay in a core's cache: on the development
 VM, the rows of 342 tensors of 8,192 elements took 3.6 ms in matrices of 16 rows, 6.2 ms in
@@ -178,23 +178,45 @@ FUSED_CHUNK = 1 << 22
 def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
     """What :func:`observe` gives for each of ``tensors``, in a number of operators that does not grow with their count.
 
-    Tensors of at most :data:`FUSED_MAX` elements (biases, norms, small weights: most of a
-    transformer's tensors) are grouped by device and dtype; each group, in chunks of at most
-    :data:`FUSED_CHUNK` elements, is flattened into one float64 buffer by one operator and reduced
-    per tensor with segment reductions (``torch.segment_reduce`` over the tensors' lengths).
-    Larger tensors are reduced one by one with :func:`observe`, whose launch cost their own work
-    outweighs. So the count of operators grows with the number of large tensors only. (torch's
-    ``_foreach_norm`` and ``_foreach_powsum`` are single kernels on CUDA but loop over the tensors
-    on CPU, where they measured no faster than one reduction per tensor.) The fused sums are
-    float64 sums of exact squares, so the spread keeps at least the precision of :func:`observe`'s
-    two float32 passes for float32 and narrower tensors.
+    Tensors of one device, dtype and shape (a transformer's layers repeat theirs) of at most
+    :data:`ROW_MAX` elements are stacked, :data:`ROW_CHUNK` elements at a time, into matrices
+    reduced row by row (:func:`observe_rows`: one float32 pass per statistic, as :func:`observe`).
+    Of the others, those of at most :data:`FUSED_MAX` elements are grouped by device and dtype;
+    each group, in chunks of at most :data:`FUSED_CHUNK` elements, is flattened into one float64
+    buffer by one operator and reduced per tensor with segment reductions (``torch.segment_reduce``
+    over the tensors' lengths: about 30 ns per element, against 1 to 2 for rows). Larger tensors
+    are reduced one by one with :func:`observe`, whose launch cost their own work outweighs. So the
+    count of operators grows with the number of distinct shapes and of large tensors only.
+    (torch's ``_foreach_norm`` and ``_foreach_powsum`` are single kernels on CUDA but loop over the
+    tensors on CPU, where they measured no faster than one reduction per tensor.)
     """
-    found = [observe(t) if t.numel() > FUSED_MAX else Observation(0, None) for t in tensors]
-    for chunk in fused_chunks(tensors):
+    found = [Observation(0, None)] * len(tensors)
+    shapes: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if 0 < t.numel() <= ROW_MAX:
+            shapes.setdefault((t.device, t.dtype, t.shape), []).append(i)
+    alone = {i for indices in shapes.values() if len(indices) == 1 for i in indices}
+    for indices in shapes.values():
+        if len(indices) == 1:
+            continue
+        n = tensors[indices[0]].numel()
+        per = max(1, ROW_CHUNK // n)
+        for start in range(0, len(indices), per):
+            part = indices[start : start + per]
+            with torch.no_grad():  # a new matrix (float32 already, or converted): observe_rows may overwrite it
+                stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
+                rows = observe_rows(stacked.to(torch.float32)).unbind(0)
+            for i, raw in zip(part, rows, strict=True):
+                found[i] = Observation(n, raw)
+    rest = [i for i, t in enumerate(tensors) if i in alone or t.numel() > ROW_MAX]
+    for i in rest:
+        if tensors[i].numel() > FUSED_MAX:
+            found[i] = observe(tensors[i])
+    for chunk in fused_chunks([tensors[i] for i in rest]):
         with torch.no_grad():
-            rows = _fused_raw([tensors[i] for i in chunk]).unbind(0)
-        for i, raw in zip(chunk, rows, strict=True):
-            found[i] = Observation(tensors[i].numel(), raw)
+            rows = _fused_raw([tensors[rest[j]] for j in chunk]).unbind(0)
+        for j, raw in zip(chunk, rows, strict=True):
+            found[rest[j]] = Observation(tensors[rest[j]].numel(), raw)
     return found
 
 
@@ -474,14 +496,16 @@ class Fetched(NamedTuple):
 
 
 class _Bucket:
-    """Copies of tensors of one device and shape waiting to be reduced together; ``rows[i]`` is ``keys[i]``'s copy."""
+    """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies``, waiting to be
+    reduced together; ``rows[i]`` is the row of ``keys[i]``."""
 
-    __slots__ = ("copies", "keys", "rows")
+    __slots__ = ("copies", "keys", "rows", "taken")
 
-    def __init__(self) -> None:
+    def __init__(self, copies: torch.Tensor) -> None:
+        self.copies = copies
+        self.taken = 0
         self.keys: list[Key] = []
         self.rows: list[int] = []
-        self.copies: list[torch.Tensor] = []
 
 
 class Block(NamedTuple):
@@ -575,18 +599,19 @@ class StatBatch:
             self.observations.setdefault(key, []).append(observation)
             self.last = (t, version, observation)
             return
-        copy = t.detach().to(torch.float32, copy=True)
-        where = (copy.device, copy.shape)
+        where = (t.device, t.shape)
         bucket = self.queued.get(where)
-        if bucket is None:
-            bucket = self.queued[where] = _Bucket()
+        if bucket is None:  # rows for ROW_CHUNK elements: memory is touched only where rows are written
+            copies = torch.empty((max(1, ROW_CHUNK // n), *t.shape), dtype=torch.float32, device=t.device)
+            bucket = self.queued[where] = _Bucket(copies)
+        bucket.copies[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
-        bucket.rows.append(len(bucket.copies))
-        bucket.copies.append(copy)
+        bucket.rows.append(bucket.taken)
+        bucket.taken += 1
         self.observations.setdefault(key, [])  # the key's place in call order
         self.last = (t, version, bucket)
         self.pending += n
-        if len(bucket.copies) * n >= ROW_CHUNK:
+        if bucket.taken == len(bucket.copies):
             self._reduce(where)
         elif self.pending >= PENDING_MAX:
             self.reduce_queued()
@@ -598,12 +623,11 @@ class StatBatch:
 
     def _reduce(self, where: tuple[torch.device, torch.Size]) -> None:
         bucket = self.queued.pop(where)
-        copies = bucket.copies
-        n = copies[0].numel()
-        self.pending -= n * len(copies)
+        k, n = bucket.taken, bucket.copies[0].numel()
+        self.pending -= n * k
         self.last = None
         with torch.no_grad():
-            raw = observe_rows(torch.stack(copies).view(len(copies), n))
+            raw = observe_rows(bucket.copies[:k].view(k, n))
         self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:

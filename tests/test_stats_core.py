@@ -273,7 +273,9 @@ def top_level_ops(parameters: int) -> Counter[str]:
 def test_parameter_statistics_take_as_many_operators_for_400_tensors_as_for_50() -> None:
     few, many = top_level_ops(50), top_level_ops(400)
     assert many == few
-    assert sum(few.values()) < 100  # per-tensor reductions took 18 per tensor: 916 and 7,216
+    # Four matrices of rows (two shapes in two dtypes), the update ratios and the pooling; per-tensor
+    # reductions took 18 per tensor: 916 and 7,216.
+    assert sum(few.values()) < 120
 
 
 def test_vectors_pool_by_sum_over_calls_and_processes_in_the_one_transfer() -> None:
@@ -378,8 +380,9 @@ def activation_ops(layers: int) -> Counter[str]:
 def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_reductions() -> None:
     few, many = activation_ops(50), activation_ops(400)
     copies = many - few
-    assert copies == Counter({"aten::detach": 350, "aten::to": 350})  # what each tensor pays: its copy
-    assert sum((few - Counter({"aten::detach": 50, "aten::to": 50})).values()) < 40  # reductions, pooling
+    each = Counter({"aten::select": 1, "aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row
+    assert copies == Counter({op: 350 for op in each})
+    assert sum((few - Counter({op: 50 for op in each})).values()) < 40  # reductions, pooling
 
 
 def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
@@ -393,7 +396,7 @@ def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_
     batch.add(("act", "fc"), y)
     y.relu_()  # ReLU(inplace=True) returns the same tensor, changed
     batch.add(("act", "relu"), y)
-    assert sum(len(b.copies) for b in batch.queued.values()) == 3  # x, y before and after the ReLU
+    assert sum(b.taken for b in batch.queued.values()) == 3  # x, y before and after the ReLU
     got = batch.fetch().states
     assert got["act", "mlp"] == got["act", "mlp.2"] == state(x)
     assert got["act", "root"] == got["act", "head"] == state(large)
