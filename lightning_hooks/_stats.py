@@ -140,7 +140,7 @@ PENDING_MAX = 1 << 22
 """Elements of copies that may wait in all buckets together (16 MB of float32) before every bucket is reduced."""
 
 
-def observe_rows(m: torch.Tensor) -> torch.Tensor:
+def observe_rows(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``(k, 6)`` float64 rows in :class:`Observation`'s ``raw`` layout, one per row of the float32 matrix ``m``.
 
     What :func:`observe` gives for each row, in a dozen operators for all of them; ``m`` is
@@ -148,10 +148,11 @@ def observe_rows(m: torch.Tensor) -> torch.Tensor:
     up to 2**24 elements. Cheaper kernels than those of :func:`observe` on a row-wise matrix:
     ``count_nonzero(dim=1)`` measured 4.6 ms on 2.8 M elements, a comparison written into a float
     matrix and summed 0.8 ms. On CPU, rows whose sum of magnitudes is finite hold no NaN or Inf,
-    which saves the three passes that count them.
+    which saves the three passes that count them. ``scratch``, a float32 matrix of ``m``'s shape,
+    takes the magnitudes if given.
     """
     mean = m.mean(1)
-    magnitude = m.abs()
+    magnitude = m.abs() if scratch is None else torch.abs(m, out=scratch)
     abs_max = magnitude.amax(1)  # NaN wins
     abs_sum = magnitude.sum(1)
     spread = torch.linalg.vector_norm(m.sub_(mean.unsqueeze(1)), dim=1)
@@ -496,13 +497,15 @@ class Fetched(NamedTuple):
 
 
 class _Bucket:
-    """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies``, waiting to be
-    reduced together; ``rows[i]`` is the row of ``keys[i]``."""
+    """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies`` (a view of
+    ``buffer``), waiting to be reduced together; ``rows[i]`` is the row of ``keys[i]``."""
 
-    __slots__ = ("copies", "keys", "rows", "taken")
+    __slots__ = ("buffer", "copies", "keys", "rows", "taken")
 
-    def __init__(self, copies: torch.Tensor) -> None:
-        self.copies = copies
+    def __init__(self, buffer: torch.Tensor, shape: torch.Size) -> None:
+        n = shape.numel()
+        self.buffer = buffer
+        self.copies = buffer[: len(buffer) // n * n].view(-1, *shape)
         self.taken = 0
         self.keys: list[Key] = []
         self.rows: list[int] = []
@@ -545,6 +548,8 @@ class StatBatch:
     """Reduced buckets."""
     last: tuple[torch.Tensor, int | None, _Bucket | Observation] | None = None
     """The tensor taken last, its version, and where it went (until its bucket is reduced)."""
+    spare: list[torch.Tensor] = field(default_factory=list)
+    """CPU buffers of :data:`ROW_CHUNK` elements that reduced buckets gave back, for the next ones."""
 
     def __len__(self) -> int:
         return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
@@ -555,7 +560,7 @@ class StatBatch:
 
     def clear(self) -> None:
         self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, {}, {}, {}
-        self.queued, self.pending, self.blocks, self.last = {}, 0, [], None
+        self.queued, self.pending, self.blocks, self.last, self.spare = {}, 0, [], None, []
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -601,9 +606,8 @@ class StatBatch:
             return
         where = (t.device, t.shape)
         bucket = self.queued.get(where)
-        if bucket is None:  # rows for ROW_CHUNK elements: memory is touched only where rows are written
-            copies = torch.empty((max(1, ROW_CHUNK // n), *t.shape), dtype=torch.float32, device=t.device)
-            bucket = self.queued[where] = _Bucket(copies)
+        if bucket is None:
+            bucket = self.queued[where] = _Bucket(self._buffer(t.device, n), t.shape)
         bucket.copies[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
@@ -626,9 +630,20 @@ class StatBatch:
         k, n = bucket.taken, bucket.copies[0].numel()
         self.pending -= n * k
         self.last = None
+        scratch = self._buffer(bucket.buffer.device, k * n)
         with torch.no_grad():
-            raw = observe_rows(bucket.copies[:k].view(k, n))
+            raw = observe_rows(bucket.copies[:k].view(k, n), scratch[: k * n].view(k, n))
         self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))
+        if scratch.device.type == "cpu":  # done with them; on CUDA the caching allocator reuses memory anyway
+            self.spare += [bucket.buffer, scratch]
+
+    def _buffer(self, device: torch.device, size: int) -> torch.Tensor:
+        """A float32 buffer of at least :data:`ROW_CHUNK` and ``size`` elements: a spare one on CPU, where fresh
+        memory costs a page fault per 4 KB on first touch (on the encoder's logging step, about 3 ms of copies and
+        reductions went to them)."""
+        if self.spare and device.type == "cpu" and size <= ROW_CHUNK:
+            return self.spare.pop()
+        return torch.empty(max(size, ROW_CHUNK), dtype=torch.float32, device=device)
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
