@@ -192,24 +192,14 @@ def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
     tensors on CPU, where they measured no faster than one reduction per tensor.)
     """
     found = [Observation(0, None)] * len(tensors)
-    shapes: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if 0 < t.numel() <= ROW_MAX:
-            shapes.setdefault((t.device, t.dtype, t.shape), []).append(i)
-    alone = {i for indices in shapes.values() if len(indices) == 1 for i in indices}
-    for indices in shapes.values():
-        if len(indices) == 1:
-            continue
-        n = tensors[indices[0]].numel()
-        per = max(1, ROW_CHUNK // n)
-        for start in range(0, len(indices), per):
-            part = indices[start : start + per]
-            with torch.no_grad():  # a new matrix (float32 already, or converted): observe_rows may overwrite it
-                stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
-                rows = observe_rows(stacked.to(torch.float32)).unbind(0)
-            for i, raw in zip(part, rows, strict=True):
-                found[i] = Observation(n, raw)
-    rest = [i for i, t in enumerate(tensors) if i in alone or t.numel() > ROW_MAX]
+    stacks, rest = shape_chunks(tensors)
+    for part in stacks:
+        n = tensors[part[0]].numel()
+        with torch.no_grad():  # a new matrix (float32 already, or converted): observe_rows may overwrite it
+            stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
+            rows = observe_rows(stacked.to(torch.float32)).unbind(0)
+        for i, raw in zip(part, rows, strict=True):
+            found[i] = Observation(n, raw)
     for i in rest:
         if tensors[i].numel() > FUSED_MAX:
             found[i] = observe(tensors[i])
@@ -219,6 +209,23 @@ def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
         for j, raw in zip(chunk, rows, strict=True):
             found[rest[j]] = Observation(tensors[rest[j]].numel(), raw)
     return found
+
+
+def shape_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+    """``(stacks, rest)``: the indices of ``tensors`` that share a device, dtype and shape with another, of 1 to
+    :data:`ROW_MAX` elements, in chunks of at most :data:`ROW_CHUNK` elements (each to be stacked into a matrix);
+    and the indices of the others, in order."""
+    shapes: dict[tuple[torch.device, torch.dtype, torch.Size], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if 0 < t.numel() <= ROW_MAX:
+            shapes.setdefault((t.device, t.dtype, t.shape), []).append(i)
+    stacks: list[list[int]] = []
+    for indices in shapes.values():
+        if len(indices) > 1:
+            per = max(1, ROW_CHUNK // tensors[indices[0]].numel())
+            stacks += [indices[start : start + per] for start in range(0, len(indices), per)]
+    stacked = {i for part in stacks for i in part}
+    return stacks, [i for i in range(len(tensors)) if i not in stacked]
 
 
 def fused_chunks(tensors: Sequence[torch.Tensor]) -> Iterator[list[int]]:
