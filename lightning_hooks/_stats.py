@@ -507,7 +507,7 @@ class _Bucket:
     """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies`` (a view of
     ``buffer``), waiting to be reduced together; ``rows[i]`` is the row of ``keys[i]``."""
 
-    __slots__ = ("buffer", "copies", "keys", "rows", "sampled", "taken")
+    __slots__ = ("buffer", "copies", "keys", "rows", "taken")
 
     def __init__(self, buffer: torch.Tensor, shape: torch.Size) -> None:
         n = shape.numel()
@@ -516,8 +516,6 @@ class _Bucket:
         self.taken = 0
         self.keys: list[Key] = []
         self.rows: list[int] = []
-        self.sampled: list[int] = []
-        """Indices into ``keys`` of the keys that want a histogram sample."""
 
 
 class Block(NamedTuple):
@@ -586,10 +584,6 @@ class StatBatch:
         taken again: its row or observation is shared with the new key. That is a module whose
         output is its last child's (``nn.Sequential``, a block ending in a projection), and the two
         tensor hooks such a shared output gets in backward.
-
-        A histogram's sample of a queued tensor (all of it: :data:`ROW_MAX` is below
-        :data:`HIST_SAMPLE`) is its row, kept when the bucket is reduced, unless the tensor is
-        float64 (a sample keeps that precision).
         """
         if not self.open:
             return
@@ -598,36 +592,25 @@ class StatBatch:
         except RuntimeError:  # an inference tensor has no version: never shared
             version = None
         last = self.last
-        self.observations.setdefault(key, [])  # the key's place in call order
-        if histogram:
-            self.samples.setdefault(key, [])
         if last is not None and last[0] is t and version is not None and last[1] == version:
-            bucket = last[2]
-            if isinstance(bucket, _Bucket):
-                bucket.keys.append(key)
-                bucket.rows.append(bucket.rows[-1])
+            self.observations.setdefault(key, [])
+            if isinstance(last[2], _Bucket):
+                last[2].keys.append(key)
+                last[2].rows.append(last[2].rows[-1])
             else:
-                self.observations[key].append(bucket)
+                self.observations[key].append(last[2])
         else:
-            bucket = self._take(key, t, version)
+            self._take(key, t, version)
         if histogram:
-            if isinstance(bucket, _Bucket) and t.dtype != torch.float64:
-                bucket.sampled.append(len(bucket.keys) - 1)
-            else:
-                self.samples[key].append(sample(t))
-        if isinstance(bucket, _Bucket) and bucket.taken == len(bucket.copies):
-            self._reduce((t.device, t.shape))
-        elif self.pending >= PENDING_MAX:
-            self.reduce_queued()
+            self.samples.setdefault(key, []).append(sample(t))
 
-    def _take(self, key: Key, t: torch.Tensor, version: int | None) -> _Bucket | Observation:
-        """Observe ``t`` now, or copy it into its bucket's next row; where it went."""
+    def _take(self, key: Key, t: torch.Tensor, version: int | None) -> None:
         n = t.numel()
         if not 0 < n <= ROW_MAX:
             observation = observe(t)
-            self.observations[key].append(observation)
+            self.observations.setdefault(key, []).append(observation)
             self.last = (t, version, observation)
-            return observation
+            return
         where = (t.device, t.shape)
         bucket = self.queued.get(where)
         if bucket is None:
@@ -636,9 +619,13 @@ class StatBatch:
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
+        self.observations.setdefault(key, [])  # the key's place in call order
         self.last = (t, version, bucket)
         self.pending += n
-        return bucket
+        if bucket.taken == len(bucket.copies):
+            self._reduce(where)
+        elif self.pending >= PENDING_MAX:
+            self.reduce_queued()
 
     def reduce_queued(self) -> None:
         """Reduce every bucket of copies (see :meth:`add`)."""
@@ -651,10 +638,6 @@ class StatBatch:
         self.pending -= n * k
         self.last = None
         scratch = self._buffer(bucket.buffer.device, k * n)
-        if bucket.sampled:  # the rows are the histograms' samples: kept before the reductions overwrite them
-            kept = bucket.copies[:k].view(k, n).clone()
-            for j in bucket.sampled:
-                self.samples[bucket.keys[j]].append(kept[bucket.rows[j]])
         with torch.no_grad():
             raw = observe_rows(bucket.copies[:k].view(k, n), scratch[: k * n].view(k, n))
         self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))

@@ -14,7 +14,6 @@ from lightning_hooks._gradients import ParamGradRecorder
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._stats import (
     HIST_SAMPLE,
-    Histogram,
     Across,
     Key,
     StatBatch,
@@ -403,17 +402,3 @@ def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_
     assert got["act", "root"] == got["act", "head"] == state(large)
     assert got["act", "relu"] == state(y)
     assert got["act", "fc"].nonzero == 12
-
-
-def test_histograms_of_queued_tensors_equal_those_of_their_samples(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_stats, "ROW_CHUNK", 40)  # the [4, 6] bucket is reduced after its first row
-    x, y, z = seeded(4, 6, seed=60), seeded(4, 6, seed=61).double(), seeded(_stats.ROW_MAX + 3, seed=62)
-    batch = StatBatch(8)
-    batch.start()
-    for key, t in (("a", x), ("a.outer", x), ("b", y), ("c", z), ("a", -x)):  # "a.outer" shares x's row
-        batch.add(("act", key), t, histogram=True)
-    got = batch.fetch().histograms
-    assert list(got) == [("act", k) for k in ("a", "a.outer", "b", "c")]
-    expected = {"a": torch.cat([x.flatten(), -x.flatten()]), "a.outer": x, "b": y, "c": z}
-    for key, values in expected.items():
-        assert got["act", key] == Histogram.from_row(histogram(_stats.sample(values), 8).tolist()), key
