@@ -152,18 +152,30 @@ class TensorBoardBackend(Backend):
         if not data.kinds():
             return
         writer = logger.experiment
-        for tag, hist in data.histograms.items():
-            writer.add_histogram_raw(
-                tag,
-                min=hist.min,
-                max=hist.max,
-                num=hist.num,
-                sum=hist.sum,
-                sum_squares=hist.sum_squares,
-                bucket_limits=hist.bucket_limits,
-                bucket_counts=hist.bucket_counts,
-                global_step=data.step,
-            )
+        if data.histograms and hasattr(writer, "_get_file_writer"):
+            # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
+            event = Event()
+            add = event.summary.value.add
+            for tag, hist in data.histograms.items():
+                histo = add(tag=tag).histo
+                histo.min, histo.max, histo.num = hist.min, hist.max, hist.num
+                histo.sum, histo.sum_squares = hist.sum, hist.sum_squares
+                histo.bucket_limit.extend(hist.bucket_limits)
+                histo.bucket.extend(hist.bucket_counts)
+            writer._get_file_writer().add_event(event, data.step)
+        else:
+            for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
+                writer.add_histogram_raw(
+                    tag,
+                    min=hist.min,
+                    max=hist.max,
+                    num=hist.num,
+                    sum=hist.sum,
+                    sum_squares=hist.sum_squares,
+                    bucket_limits=hist.bucket_limits,
+                    bucket_counts=hist.bucket_counts,
+                    global_step=data.step,
+                )
         for tag, text in data.markdown().items():
             if hasattr(writer, "_get_file_writer"):
                 # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
