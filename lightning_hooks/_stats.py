@@ -137,7 +137,8 @@ matrices of 128 and 8.5 ms in one (each pass then streams from memory), against 
 """
 
 PENDING_MAX = 1 << 22
-"""Elements of copies that may wait in all buckets together (16 MB of float32) before every bucket is reduced."""
+"""Elements the buffers of all waiting buckets may hold together (16 MB of float32, 32 buckets) before every bucket
+is reduced: a model of many distinct shapes does not keep a buffer for each."""
 
 
 def observe_rows(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -550,7 +551,7 @@ class StatBatch:
     queued: dict[tuple[torch.device, torch.Size], _Bucket] = field(default_factory=dict)
     """Copies waiting to be reduced, with their keys, by device and shape."""
     pending: int = 0
-    """How many elements wait in ``queued``."""
+    """How many elements the buffers of ``queued`` hold."""
     blocks: list[Block] = field(default_factory=list)
     """Reduced buckets."""
     last: tuple[torch.Tensor, int | None, _Bucket | Observation] | None = None
@@ -576,8 +577,8 @@ class StatBatch:
         A tensor of at most :data:`ROW_MAX` elements is copied (as float32, what :func:`observe`
         reduces: an in-place op after a forward hook, or autograd reusing a gradient's buffer,
         cannot change what was taken) into the bucket of its device and shape. A bucket is reduced
-        by :func:`observe_rows` once it holds :data:`ROW_CHUNK` elements, all buckets once
-        :data:`PENDING_MAX` elements wait, and whatever is left when the batch is fetched: the
+        by :func:`observe_rows` once it holds :data:`ROW_CHUNK` elements, all buckets once their
+        buffers hold :data:`PENDING_MAX`, and whatever is left when the batch is fetched: the
         operators per tensor fall from a dozen to a copy. Larger tensors are reduced at once.
 
         The tensor taken just before, unchanged since (the same object at the same version), is not
@@ -615,13 +616,13 @@ class StatBatch:
         bucket = self.queued.get(where)
         if bucket is None:
             bucket = self.queued[where] = _Bucket(self._buffer(t.device, n), t.shape)
+            self.pending += len(bucket.buffer)
         bucket.copies[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
         self.observations.setdefault(key, [])  # the key's place in call order
         self.last = (t, version, bucket)
-        self.pending += n
         if bucket.taken == len(bucket.copies):
             self._reduce(where)
         elif self.pending >= PENDING_MAX:
@@ -635,7 +636,7 @@ class StatBatch:
     def _reduce(self, where: tuple[torch.device, torch.Size]) -> None:
         bucket = self.queued.pop(where)
         k, n = bucket.taken, bucket.copies[0].numel()
-        self.pending -= n * k
+        self.pending -= len(bucket.buffer)
         self.last = None
         scratch = self._buffer(bucket.buffer.device, k * n)
         with torch.no_grad():

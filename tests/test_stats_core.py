@@ -402,3 +402,19 @@ def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_
     assert got["act", "root"] == got["act", "head"] == state(large)
     assert got["act", "relu"] == state(y)
     assert got["act", "fc"].nonzero == 12
+
+
+def test_buckets_of_many_shapes_are_reduced_before_their_buffers_exceed_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_stats, "PENDING_MAX", 3 * _stats.ROW_CHUNK)
+    tensors = [seeded(i + 1, 3, seed=70 + i) for i in range(10)]  # ten shapes: a bucket each
+    batch = StatBatch()
+    batch.start()
+    waiting = []
+    for i, t in enumerate(tensors):
+        batch.add(("act", str(i)), t)
+        waiting.append(len(batch.queued))
+    assert max(waiting) == 2  # the third buffer reaches the bound: all three buckets are reduced
+    got = batch.fetch().states
+    assert [got["act", str(i)] for i in range(10)] == [state(t) for t in tensors]
