@@ -85,7 +85,7 @@ class Clock:
 def instrument(clock: Clock) -> None:
     from tensorboard.summary.writer import record_writer
 
-    for name in ("observe", "observe_many", "_pooled", "histogram", "sample"):
+    for name in ("observe", "observe_many", "_pooled", "histogram", "histograms", "sample"):
         clock.wrap(_stats, name, "reductions")
     clock.wrap(_stats.StatBatch, "_reduce", "reductions")  # the row-wise reductions of queued copies
     clock.wrap(_gradients._UpdateRatio, "__call__", "reductions")
