@@ -535,14 +535,17 @@ def report_instructions(workload: str, table: list[Variant], counts: dict[str, d
     )
     periods = sorted({every, 50})
     heads = " | ".join(f"× Lightning @{p} (all steps)" for p in periods)
-    print(f"| variant | M instructions per quiet step | × Lightning (steps that log nothing) | {heads} |")
-    print("|---|---:|---:|" + "---:|" * len(periods))
+    print(
+        f"| variant | M instructions per quiet step | × Lightning (steps that log nothing) "
+        f"| M instructions, the callbacks' logging step (step {every}) | {heads} |"
+    )
+    print("|---|---:|---:|---:|" + "---:|" * len(periods))
     base = {p: projected(reference, every, p) for p in periods}
     base_quiet = statistics.median(n for s, n in reference.items() if s % every and (s + 1) % every)
     for name, steps in counts.items():
         quiet = statistics.median(n for s, n in steps.items() if s % every and (s + 1) % every)
         ratios = " | ".join(f"{projected(steps, every, p) / base[p]:.4f}" for p in periods)
-        print(f"| {name} | {quiet / 1e6:.2f} | {quiet / base_quiet:.4f} | {ratios} |")
+        print(f"| {name} | {quiet / 1e6:.2f} | {quiet / base_quiet:.4f} | {steps[every] / 1e6:.2f} | {ratios} |")
     watch, logger = f"wandb.watch(log='all') @{every}", f"wandb logger @{every}"
     if watch in counts:
         for p in periods:

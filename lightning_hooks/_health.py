@@ -112,11 +112,12 @@ class Thresholds:
 class Snapshot:
     """One logging step's statistics on the host, per layer (qualified names; ``""`` is the model).
 
-    ``order`` is the model's module order; ``activations`` and ``units`` (how many values of each
-    output unit were non-zero) are of leaf modules; ``grads`` pools each layer's parameter
-    gradients; ``ratios`` is ``||Δw|| / ||w||`` per layer with ``weights`` its ``||w||``;
-    ``losses`` and ``norms`` are the steps since the previous snapshot, each with its loss and
-    the gradient norm of each parameter, ``norm_layers`` naming the layer of each.
+    ``order`` is the model's module order; ``activations`` and ``units`` (each output unit's sum
+    of squares: zero for a unit that was zero for every sample) are of leaf modules; ``grads``
+    pools each layer's parameter gradients; ``ratios`` is ``||Δw|| / ||w||`` per layer with
+    ``weights`` its ``||w||``; ``losses`` and ``norms`` are the steps since the previous snapshot,
+    each with its loss and the gradient norm of each parameter, ``norm_layers`` naming the layer
+    of each.
     """
 
     step: int

@@ -24,6 +24,17 @@ _WRAPPERS = (_COMPILE_WRAPPER, "_fsdp_wrapped_module", "_checkpoint_wrapped_modu
 """The attribute under which each wrapper (torch.compile, FSDP1, activation checkpointing) keeps the module it wraps."""
 
 
+def unwrapped(name: str) -> str:
+    """A qualified name with the wrappers' attributes left out: ``enc._orig_mod.fc.weight`` is ``enc.fc.weight``."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` under the names :func:`named_modules` gives their modules."""
+    for name, param in model.named_parameters():
+        yield unwrapped(name), param
+
+
 def label(name: str) -> str:
     """The name a module is shown under: its qualified name, or ``root`` for the model itself."""
     return name or ROOT_LABEL
@@ -171,10 +182,9 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         if _is_metric(module):
             metrics.append(name)
             continue
-        parts = [p for p in name.split(".") if p not in _WRAPPERS] if name else []
         if any(isinstance(getattr(module, attr, None), nn.Module) for attr in _WRAPPERS):
             continue
-        yield ".".join(parts), module
+        yield unwrapped(name), module
 
 
 def is_compile_wrapper(module: nn.Module) -> bool:

@@ -50,8 +50,8 @@ class Body(nn.Module):
 class CompiledBody(TinyNet):
     """``self.body = torch.compile(Body())`` in ``__init__``, followed by an eager head."""
 
-    def __init__(self, compiled: bool = True, last: nn.Module | None = None) -> None:
-        super().__init__(n=N)
+    def __init__(self, compiled: bool = True, last: nn.Module | None = None, n: int = N) -> None:
+        super().__init__(n=n)
         del self.fc1, self.fc2, self.act, self.unused
         torch.manual_seed(0)
         body = Body(last)
@@ -70,14 +70,15 @@ class Whole(TinyNet):
         del self.unused
 
 
+def statistics() -> list[Any]:
+    """The statistics callbacks, logging every 2 steps: a region's logging graph computes all their statistics."""
+    return [ActivationStats(log_every_n_steps=2, histograms=True), GradStats(log_every_n_steps=2)]
+
+
 def observers() -> list[Any]:
     # ShapeLogger records step 0 only (its period is longer than the fit), so later logging
     # steps run the compiled logging graph.
-    return [
-        ActivationStats(log_every_n_steps=2, histograms=True),
-        GradStats(log_every_n_steps=2),
-        ShapeLogger(log_every_n_steps=100),
-    ]
+    return [*statistics(), ShapeLogger(log_every_n_steps=100)]
 
 
 def warm_up(model: CompiledBody) -> None:

@@ -134,6 +134,31 @@ def test_a_healthy_fit_finds_nothing_says_so_and_leaves_no_hook(
     assert "health/findings" not in [t for t in (tmp_path / "tb").rglob("*") if t.is_file()]
 
 
+class Scaled(torch.nn.Module):
+    """Multiplies by ``factor`` and casts to ``dtype``: a parameter-free leaf with half-precision outputs."""
+
+    def __init__(self, factor: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.factor, self.dtype = factor, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.factor).to(self.dtype)
+
+
+def half_precision_relu() -> planted.Planted:
+    """Half of a ReLU's units dead, in float16, on values whose squares do not fit in float16 (above 256)."""
+    first = torch.nn.Linear(16, 64)
+    with torch.no_grad():
+        first.bias[:32].fill_(-10.0)
+    net = torch.nn.Sequential(first, Scaled(300.0, torch.float16), torch.nn.ReLU(), Scaled(1 / 300, torch.float32))
+    return planted.Planted(torch.nn.Sequential(*net, torch.nn.Linear(64, 4)))
+
+
+def test_float16_outputs_are_counted_without_overflow(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, half_precision_relu, steps=11, checks=["dead_units", "nonfinite"])
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.2",), 0.5)]
+
+
 def test_checks_not_asked_for_are_not_run(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, planted.dead_relu, steps=16, checks=["vanishing_gradients"])
     assert monitor.findings == []

@@ -137,24 +137,27 @@ class HookCallback(Callback):
         self._sink = Sink(owner)
         self.gate = StepGate()
         """Which optimizer step the callback is recording, if any."""
+        self.batch_step = -1
+        """The optimizer step :meth:`due_step` last read (the current batch's while the gate is closed)."""
 
     def every(self, trainer: pl.Trainer) -> int:
         """The logging period in optimizer steps."""
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
     def is_logging_step(self, trainer: pl.Trainer) -> bool:
-        """A training (not sanity-check) step whose optimizer step is a multiple of the period."""
+        """Whether the training batch's optimizer step is a multiple of the period."""
         return self.due_step(trainer) is not None
 
     def due_step(self, trainer: pl.Trainer) -> int | None:
         """The optimizer step if this is a logging step (see :meth:`is_logging_step`), else ``None``.
 
-        Called on every batch while the gate is closed: it reads ``trainer.global_step`` (a chain of
-        properties in Lightning's loops) once, and nothing else is read on a quiet batch.
+        Called from the training-batch hooks on every batch while the gate is closed: it reads
+        ``trainer.global_step`` (a chain of properties in Lightning's loops) once, keeps it in
+        :attr:`batch_step`, and nothing else is read on a quiet batch (``trainer.training`` alone,
+        an enum comparison through lower-cased strings, costs three times as much: those hooks run
+        only in training anyway).
         """
-        if not trainer.training or trainer.sanity_checking:
-            return None
-        step = trainer.global_step
+        step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:

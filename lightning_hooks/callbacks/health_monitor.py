@@ -244,18 +244,22 @@ class HealthMonitor(StatsCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._ring is not None and trainer.training and not trainer.sanity_checking:
-            self._ring.loss(trainer.global_step, loss)
+        if self._ring is not None:  # the step as read at the batch's start (only training runs backward)
+            self._ring.loss(self._step_now(), loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._ring is not None:
-            self._ring.norms(trainer.global_step, self.gate.is_open)
+            self._ring.norms(self._step_now(), self.gate.is_open)
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._record_grads(optimizer)
             self._grads.record(self._params, optimizer, self._ratio_handles)
+
+    def _step_now(self) -> int:
+        """The current batch's optimizer step, read once at its start: the recorded one, or :meth:`due_step`'s."""
+        return self.batch_step if self.gate.step is None else self.gate.step
 
     def _record_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
@@ -317,15 +321,15 @@ class HealthMonitor(StatsCallback):
         for key, values in fetched.vectors.items():
             if key[0] != "units":
                 continue
-            layer, width = key[1].split(".out.", 1)[0], len(values) - 1
-            sum_sq = values[width]
+            layer, per_unit = key[1].split(".out.", 1)[0], key in self._units.per_unit
+            sum_sq = math.fsum(values)
             # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
-            numel = float(self._units.samples.get(key, 0) * max(width, 1) * trainer.world_size)
+            numel = float(self._units.samples.get(key, 0) * len(values) * trainer.world_size)
             outputs.setdefault(layer, []).append(
                 State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
             )
-            if width:
-                units.setdefault(layer, values[:width])
+            if per_unit:
+                units.setdefault(layer, values)
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for i, names in enumerate(self._grad_names):
             values, n = fetched.vectors[("grads", str(i))], len(names)
@@ -424,7 +428,7 @@ class _LossRing:
         self.losses[step] = loss.detach()
         self._loss_step = step
         if len(self.losses) > self.size:
-            oldest = min(self.losses)
+            oldest = next(iter(self.losses))  # steps are kept in the order they came
             del self.losses[oldest]
             self.grad_norms.pop(oldest, None)
 

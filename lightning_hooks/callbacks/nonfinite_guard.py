@@ -20,6 +20,7 @@ from lightning_hooks._compiled import eager_stance, has_compiled, run_eager
 from lightning_hooks._finding import Finding, Reading, first_finding, with_parameters
 from lightning_hooks._finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
 from lightning_hooks._replay import MicroBatch, RngState, replay, training_flags
+from lightning_hooks._select import named_parameters
 from lightning_hooks._shards import local
 from lightning_hooks.callbacks._base import HookCallback, loss_scaler
 
@@ -207,7 +208,7 @@ class NonFiniteGuard(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._scaler = loss_scaler(trainer)
-        self._param_names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._param_names = {id(p): name for name, p in named_parameters(pl_module)}
         self._warned = set()
         self.skipped_steps = 0
         self.last_finding = None
