@@ -7,9 +7,11 @@ sum of magnitudes) or by ``max`` (largest magnitude), the idea of torchmetrics'
 processes of a DDP run (and the shards of a parameter) all pool through :func:`pool` and
 :meth:`StatBatch.fetch` with exactly those two reductions.
 
-What a call pays is :func:`observe`: a handful of cheap reductions of the tensor on its device.
-Tensors that are all at hand at once (every parameter's gradient) go through :func:`observe_many`
-instead: one buffer per device and dtype and segment reductions over it, so that the number of
+What a call pays (:meth:`StatBatch.add`) is a copy of a small tensor into a row of a buffer for its
+device and shape, full buffers being reduced row by row (:func:`observe_rows`), or for a large
+tensor :func:`observe`: a handful of cheap reductions on its device. Tensors that are all at hand
+at once (every parameter's gradient) go through :func:`observe_many`: stacked by shape, or in one
+buffer per device and dtype with segment reductions over it. Either way the number of reduction
 operators does not grow with the number of tensors.
 Observations are turned into states, pooled per key and, where asked, across processes at the end
 of the step, in a few vectorised kernels whatever the number of keys; the pooled states, the
@@ -23,6 +25,7 @@ every sampled value is counted in the bucket that contains it.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -121,10 +124,10 @@ ROW_MAX = 1 << 15
 """:meth:`StatBatch.add` copies tensors of at most this many elements and reduces them later, many at once.
 
 Such a tensor costs :func:`observe` about 35 µs on CPU (3 µs per operator, and each of its few
-thousand elements in cache), most of it launch cost: a float32 copy in the hook, stacked with the
-copies of the same shape into a matrix whose rows are reduced together (:func:`observe_rows`),
-costs about a third of that. A larger tensor's own work outweighs its launches: it is reduced
-in the hook by :func:`observe`, as before, with no copy.
+thousand elements in cache), most of it launch cost: a float32 copy in the hook into the next row
+of a matrix for its shape, whose rows are reduced together (:func:`observe_rows`), costs about a
+third of that. A larger tensor's own work outweighs its launches: it is reduced in the hook by
+:func:`observe`, as before, with no copy.
 """
 
 ROW_CHUNK = 1 << 17
@@ -399,7 +402,8 @@ def histogram(values: torch.Tensor, bins: int) -> torch.Tensor:
     """A float64 row ``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]`` over the finite ``values``.
 
     ``bins`` equal buckets from the smallest to the largest finite value, the last one closed, as
-    ``torch.histc`` lays them; counted on device with ``scatter_add`` so that nothing waits for the host.
+    ``torch.histc`` lays them; counted on device (``scatter_add``, or ``bincount`` on CPU) so that
+    nothing waits for the host on an accelerator.
     """
     return histogram_rows(values.detach().reshape(1, -1), bins)[0]
 
@@ -412,6 +416,8 @@ def histograms(values: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
     """``(len(values), 5 + bins)``: the :func:`histogram` of each of ``values`` (one device), in a number of
     operators that grows with the number of distinct lengths, not of tensors: values of one length are
     stacked into a matrix, :data:`HIST_CHUNK` values at a time, and counted row by row."""
+    if not values:
+        return torch.zeros(0, 5 + bins, dtype=torch.float64)
     by_length: dict[int, list[int]] = {}
     for i, v in enumerate(values):
         by_length.setdefault(v.numel(), []).append(i)
@@ -554,8 +560,9 @@ class StatBatch:
     """How many elements the buffers of ``queued`` hold."""
     blocks: list[Block] = field(default_factory=list)
     """Reduced buckets."""
-    last: tuple[torch.Tensor, int | None, _Bucket | Observation] | None = None
-    """The tensor taken last, its version, and where it went (until its bucket is reduced)."""
+    last: tuple[weakref.ref[torch.Tensor], int | None, _Bucket | Observation] | None = None
+    """The tensor taken last (weakly: it is not kept alive), its version, and where it went (until its bucket is
+    reduced)."""
     spare: list[torch.Tensor] = field(default_factory=list)
     """CPU buffers of :data:`ROW_CHUNK` elements that reduced buckets gave back, for the next ones."""
 
@@ -577,9 +584,10 @@ class StatBatch:
         A tensor of at most :data:`ROW_MAX` elements is copied (as float32, what :func:`observe`
         reduces: an in-place op after a forward hook, or autograd reusing a gradient's buffer,
         cannot change what was taken) into the bucket of its device and shape. A bucket is reduced
-        by :func:`observe_rows` once it holds :data:`ROW_CHUNK` elements, all buckets once their
-        buffers hold :data:`PENDING_MAX`, and whatever is left when the batch is fetched: the
-        operators per tensor fall from a dozen to a copy. Larger tensors are reduced at once.
+        by :func:`observe_rows` once its rows (:data:`ROW_CHUNK` elements) are full, all buckets
+        once their buffers hold :data:`PENDING_MAX`, and whatever is left when the batch is
+        fetched: the operators per tensor fall from a dozen to a copy. Larger tensors are reduced
+        at once.
 
         The tensor taken just before, unchanged since (the same object at the same version), is not
         taken again: its row or observation is shared with the new key. That is a module whose
@@ -593,7 +601,7 @@ class StatBatch:
         except RuntimeError:  # an inference tensor has no version: never shared
             version = None
         last = self.last
-        if last is not None and last[0] is t and version is not None and last[1] == version:
+        if last is not None and last[0]() is t and version is not None and last[1] == version:
             self.observations.setdefault(key, [])
             if isinstance(last[2], _Bucket):
                 last[2].keys.append(key)
@@ -610,7 +618,7 @@ class StatBatch:
         if not 0 < n <= ROW_MAX:
             observation = observe(t)
             self.observations.setdefault(key, []).append(observation)
-            self.last = (t, version, observation)
+            self.last = (weakref.ref(t), version, observation)
             return
         where = (t.device, t.shape)
         bucket = self.queued.get(where)
@@ -622,7 +630,7 @@ class StatBatch:
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
         self.observations.setdefault(key, [])  # the key's place in call order
-        self.last = (t, version, bucket)
+        self.last = (weakref.ref(t), version, bucket)
         if bucket.taken == len(bucket.copies):
             self._reduce(where)
         elif self.pending >= PENDING_MAX:

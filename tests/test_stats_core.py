@@ -1,6 +1,7 @@
 """The statistics core on plain tensors: states, pooling, histograms and the one host transfer."""
 
 import math
+import weakref
 from collections import Counter
 
 import pytest
@@ -418,3 +419,14 @@ def test_buckets_of_many_shapes_are_reduced_before_their_buffers_exceed_the_boun
     assert max(waiting) == 2  # the third buffer reaches the bound: all three buckets are reduced
     got = batch.fetch().states
     assert [got["act", str(i)] for i in range(10)] == [state(t) for t in tensors]
+
+
+def test_the_tensor_taken_last_is_not_kept_alive() -> None:
+    batch = StatBatch()
+    batch.start()
+    logits = seeded(_stats.ROW_MAX + 1, seed=80)  # large: observed at once, so nothing of it needs keeping
+    alive = weakref.ref(logits)
+    batch.add(("act", "head"), logits)
+    del logits
+    assert alive() is None
+    assert batch.fetch().states["act", "head"].numel == _stats.ROW_MAX + 1
