@@ -11,8 +11,9 @@ fit, on the main thread's CPU clock (``time.thread_time``: what the process did,
 the shared machine does) and on the wall clock. The CPU cost is split by timing, on that clock,
 every call of the functions that do each part:
 
-* **reduction kernels**: the statistics on device (``observe``, ``observe_many``, the pooling in
-  ``fetch``, histogram samples and counts, the update ratios);
+* **reduction kernels**: the statistics on device (``observe``, ``observe_many``, the row-wise
+  reductions of queued copies, the pooling in ``fetch``, histogram samples and counts, the update
+  ratios; the copies taken in the hooks count as host work);
 * **event writing**: TensorBoard's backend building and writing the events (main thread), plus
   the checksums and writes of TensorBoard's record writer, which runs on its own thread (given
   apart: it takes the GIL from training while it runs);
@@ -84,8 +85,9 @@ class Clock:
 def instrument(clock: Clock) -> None:
     from tensorboard.summary.writer import record_writer
 
-    for name in ("observe", "observe_many", "_pooled", "histogram", "sample"):
+    for name in ("observe", "observe_many", "_pooled", "histogram", "histograms", "sample"):
         clock.wrap(_stats, name, "reductions")
+    clock.wrap(_stats.StatBatch, "_reduce", "reductions")  # the row-wise reductions of queued copies
     clock.wrap(_gradients._UpdateRatio, "__call__", "reductions")
     clock.wrap(_sink.TensorBoardBackend, "write", "events")
     clock.wrap(_sink.TensorBoardBackend, "layout", "events")

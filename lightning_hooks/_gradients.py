@@ -16,7 +16,17 @@ from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shards import counted_part, is_sharded
-from lightning_hooks._stats import FUSED_MAX, Key, OutputKeys, StatBatch, State, flatten, fused_chunks, segment_sum
+from lightning_hooks._stats import (
+    FUSED_MAX,
+    Key,
+    OutputKeys,
+    StatBatch,
+    State,
+    flatten,
+    fused_chunks,
+    segment_sum,
+    shape_chunks,
+)
 
 
 class OutputGradRecorder:
@@ -254,9 +264,11 @@ class ParamGradRecorder:
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    Small parameters are copied end to end into one buffer per device and dtype (see
+    Parameters that share a shape with others are stacked into matrices (see
+    :func:`~lightning_hooks._stats.shape_chunks`) and their norms taken row by row in float64;
+    other small ones are copied end to end into one buffer per device and dtype (see
     :func:`~lightning_hooks._stats.fused_chunks`) and their norms are segment reductions of those
-    buffers, a fixed number of operators however many there are; larger ones one by one.
+    buffers; both a fixed number of operators however many parameters there are; larger ones one by one.
     """
 
     def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
@@ -264,27 +276,37 @@ class _UpdateRatio:
         # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
         self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
         params = [(name, p) for name, p in params if not is_sharded(p)]
-        tensors = [param for _, param in params]
+        stacks, rest = shape_chunks([param for _, param in params])
+        self.stacked: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         with torch.no_grad():
+            for part in stacks:
+                self.stacked.append(([params[i] for i in part], torch.stack([params[i][1] for i in part])))
+            params = [params[i] for i in rest]
+            tensors = [param for _, param in params]
             for chunk in fused_chunks(tensors):
                 values, _ = flatten([tensors[i] for i in chunk])
                 self.before.append(([params[i] for i in chunk], values.clone() if len(chunk) == 1 else values))
             self.large = [(name, p, p.clone()) for name, p in params if p.numel() > FUSED_MAX]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
+        stacked, self.stacked = self.stacked, []  # the copies are freed as soon as the ratios are taken
+        before, self.before = self.before, []
         large, self.large = self.large, []
         sharded, self.sharded = self.sharded, []
         f64 = torch.float64
+        for params, old in stacked:
+            with torch.no_grad():
+                new = torch.stack([param for _, param in params])
+                change = torch.linalg.vector_norm((new - old).view(len(params), -1), dim=1, dtype=f64)
+                scale = torch.linalg.vector_norm(old.view(len(params), -1), dim=1, dtype=f64).clamp_min_(1e-12)
+            self._ratios([name for name, _ in params], change, scale)
         for params, old in before:
             with torch.no_grad():
                 new, lengths = flatten([param for _, param in params])
                 change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
                 scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
-            self.batch.add_scalars([("ratio", name) for name, _ in params], change / scale)
-            if self.weight_norms:
-                self.batch.add_scalars([("wnorm", name) for name, _ in params], scale)
+            self._ratios([name for name, _ in params], change, scale)
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
             self.batch.add(("weight", name), old)
@@ -295,6 +317,11 @@ class _UpdateRatio:
             self.batch.add_scalar(("ratio", name), ratio)
             if self.weight_norms:
                 self.batch.add_scalar(("wnorm", name), norm)
+
+    def _ratios(self, names: list[str], change: torch.Tensor, scale: torch.Tensor) -> None:
+        self.batch.add_scalars([("ratio", name) for name in names], change / scale)
+        if self.weight_norms:
+            self.batch.add_scalars([("wnorm", name) for name in names], scale)
 
 
 def update_ratio(update: State, weight: State) -> float:

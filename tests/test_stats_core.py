@@ -1,6 +1,7 @@
 """The statistics core on plain tensors: states, pooling, histograms and the one host transfer."""
 
 import math
+import weakref
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_hooks import _stats
+from lightning_hooks._activations import ActivationRecorder
 from lightning_hooks._gradients import ParamGradRecorder
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._stats import (
@@ -20,6 +22,7 @@ from lightning_hooks._stats import (
     combine,
     derive,
     histogram,
+    histograms,
     norm_total,
     observe,
     observe_many,
@@ -271,7 +274,9 @@ def top_level_ops(parameters: int) -> Counter[str]:
 def test_parameter_statistics_take_as_many_operators_for_400_tensors_as_for_50() -> None:
     few, many = top_level_ops(50), top_level_ops(400)
     assert many == few
-    assert sum(few.values()) < 100  # per-tensor reductions took 18 per tensor: 916 and 7,216
+    # Four matrices of rows (two shapes in two dtypes), the update ratios and the pooling; per-tensor
+    # reductions took 18 per tensor: 916 and 7,216.
+    assert sum(few.values()) < 120
 
 
 def test_vectors_pool_by_sum_over_calls_and_processes_in_the_one_transfer() -> None:
@@ -293,3 +298,135 @@ def test_vectors_pool_by_sum_over_calls_and_processes_in_the_one_transfer() -> N
         ("units", "other"): [0.0, 0.0],
     }
     assert len(agreed) == 1  # one agreement for states and vectors
+
+
+ROWS = [  # several tensors of one shape, so that buckets hold more than one row
+    *(seeded(4, 6, seed=10 + i) * (i + 1) + i for i in range(5)),
+    torch.tensor([[0.0, math.nan, 2.0], [math.inf, 0.0, -1.0]]),
+    torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).bfloat16(),
+    seeded(2, 3, seed=20).double(),
+    torch.relu(seeded(2, 3, seed=21)),
+    1000 + 1e-3 * seeded(2, 3, seed=22),  # the spread is taken around the row's mean
+    torch.tensor([[-math.inf, 1.0, 1.0], [1.0, 1.0, 1.0]]).half(),
+]
+
+
+@pytest.mark.parametrize(("row_max", "chunk"), [(1 << 15, 1 << 17), (1 << 15, 13), (10, 13)])
+def test_queued_rows_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, row_max: int, chunk: int) -> None:
+    # 13 elements per bucket: buckets are reduced while tensors are still being added; 10: [4, 6] is reduced at once
+    monkeypatch.setattr(_stats, "ROW_MAX", row_max)
+    monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
+    tensors = [*ROWS, *MIXED]
+    batch = StatBatch()
+    batch.start()
+    for i, t in enumerate(tensors):
+        batch.add(("act", str(i)), t)
+    got = batch.fetch().states
+    assert list(got) == [("act", str(i)) for i in range(len(tensors))]  # call order kept
+    for i, t in enumerate(tensors):
+        a, b = got["act", str(i)], state(t)  # state: the per-tensor path
+        expected = derive(b)
+        assert derive(a).keys() == expected.keys()
+        for stat, value in expected.items():
+            assert derive(a)[stat] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (i, t.dtype, stat)
+        assert (a.numel, a.nonzero, a.nonfinite) == (b.numel, b.nonzero, b.nonfinite)  # counts are exact
+
+
+def test_queued_rows_pool_calls_of_one_key_with_the_others() -> None:
+    batch = StatBatch()
+    batch.start()
+    small, large = seeded(3, 4, seed=30), seeded(_stats.ROW_MAX + 1, seed=31)  # queued, and reduced at once
+    for t in (small, large, small * -2):
+        batch.add(("act", "twice"), t)
+    batch.add(("out", "other"), small)
+    got = batch.fetch().states
+    expected = derive(state(torch.cat([small.flatten(), large, -2 * small.flatten()])))
+    assert derive(got["act", "twice"]) == pytest.approx(expected, rel=1e-5)
+    assert got["out", "other"] == state(small)
+
+
+def test_a_queued_tensor_is_a_copy_that_later_in_place_ops_do_not_change() -> None:
+    batch = StatBatch()
+    batch.start()
+    x = torch.arange(8.0)
+    batch.add(("act", "x"), x)
+    x.mul_(-100)  # an in-place ReLU, or autograd reusing a gradient buffer, after the hook
+    assert derive(batch.fetch().states["act", "x"]) == pytest.approx(derive(state(torch.arange(8.0))))
+
+
+def test_histograms_of_equal_and_unequal_lengths_equal_one_at_a_time() -> None:
+    values = [seeded(50, seed=40 + i) * (i + 1) for i in range(4)]
+    values += [torch.tensor([math.nan, 1.0, -math.inf]), torch.zeros(0), seeded(7, seed=45).double(), torch.ones(3)]
+    together = histograms(values, 8)
+    for v, row in zip(values, together, strict=True):
+        assert torch.equal(row, histogram(v, 8))
+
+
+def activation_ops(layers: int) -> Counter[str]:
+    """Operators dispatched (top level) by a logging step's activation statistics of ``layers`` tanh layers."""
+    model = nn.Sequential(*(nn.Tanh() for _ in range(layers)))
+    batch = StatBatch()
+    batch.start()
+    with HookHandles() as handles:
+        ActivationRecorder(batch).attach(list(model.named_children()), handles)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            model(torch.ones(4, 8))
+            fetched = batch.fetch()
+    assert len(fetched.states) == layers
+    ops = Counter(e.name for e in profiler.events() if e.cpu_parent is None)
+    assert ops.pop("aten::tanh") == layers  # the model's own
+    return ops
+
+
+def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_reductions() -> None:
+    few, many = activation_ops(50), activation_ops(400)
+    copies = many - few
+    each = Counter({"aten::select": 1, "aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row
+    assert copies == Counter({op: 350 for op in each})
+    assert sum((few - Counter({op: 50 for op in each})).values()) < 40  # reductions, pooling
+
+
+def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
+    batch = StatBatch()
+    batch.start()
+    x, large, y = seeded(3, 4, seed=50), seeded(_stats.ROW_MAX + 1, seed=51), seeded(3, 4, seed=52)
+    batch.add(("act", "mlp.2"), x)
+    batch.add(("act", "mlp"), x)  # a module whose output is its last child's
+    batch.add(("act", "head"), large)
+    batch.add(("act", "root"), large)
+    batch.add(("act", "fc"), y)
+    y.relu_()  # ReLU(inplace=True) returns the same tensor, changed
+    batch.add(("act", "relu"), y)
+    assert sum(b.taken for b in batch.queued.values()) == 3  # x, y before and after the ReLU
+    got = batch.fetch().states
+    assert got["act", "mlp"] == got["act", "mlp.2"] == state(x)
+    assert got["act", "root"] == got["act", "head"] == state(large)
+    assert got["act", "relu"] == state(y)
+    assert got["act", "fc"].nonzero == 12
+
+
+def test_buckets_of_many_shapes_are_reduced_before_their_buffers_exceed_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_stats, "PENDING_MAX", 3 * _stats.ROW_CHUNK)
+    tensors = [seeded(i + 1, 3, seed=70 + i) for i in range(10)]  # ten shapes: a bucket each
+    batch = StatBatch()
+    batch.start()
+    waiting = []
+    for i, t in enumerate(tensors):
+        batch.add(("act", str(i)), t)
+        waiting.append(len(batch.queued))
+    assert max(waiting) == 2  # the third buffer reaches the bound: all three buckets are reduced
+    got = batch.fetch().states
+    assert [got["act", str(i)] for i in range(10)] == [state(t) for t in tensors]
+
+
+def test_the_tensor_taken_last_is_not_kept_alive() -> None:
+    batch = StatBatch()
+    batch.start()
+    logits = seeded(_stats.ROW_MAX + 1, seed=80)  # large: observed at once, so nothing of it needs keeping
+    alive = weakref.ref(logits)
+    batch.add(("act", "head"), logits)
+    del logits
+    assert alive() is None
+    assert batch.fetch().states["act", "head"].numel == _stats.ROW_MAX + 1
