@@ -27,6 +27,7 @@ from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.summary import text as text_summary
 
