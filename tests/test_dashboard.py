@@ -1,5 +1,6 @@
 """Custom-scalars layout and figures, written by real fits and read back with TensorBoard's own reader."""
 
+import gc
 import io
 import re
 from pathlib import Path
@@ -131,6 +132,17 @@ def test_a_figure_is_written_as_tensorboards_own_add_image_writes_it(tmp_path: P
     [expected] = image_summary("figures/gradient_flow", pixels, dataformats="HWC").value
     assert written.encoded_image_string == expected.image.encoded_image_string
     assert (written.height, written.width) == (expected.image.height, expected.image.width)
+
+
+def test_a_drawn_figure_is_collected_before_training_goes_on(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)], max_steps=1).fit(
+        TinyNet()
+    )
+    assert image_steps(tmp_path, "figures/gradient_flow") == [0]
+    # gc.get_objects() lists cycles nobody collected yet: a figure's artists would wait there, holding memory
+    assert [o for o in gc.get_objects() if isinstance(o, Figure)] == []
 
 
 def test_default_figures_stay_within_their_time_share_and_the_last_skipped_one_is_drawn_at_the_end(
