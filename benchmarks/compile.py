@@ -10,9 +10,10 @@ baseline); compiled with ActivationStats alone; with ShapeLogger + GradStats + A
 with GradClamp; with NonFiniteGuard (replay, every step checked). The observers log every
 ``--every`` steps. Per variant: the median step time of steps that log nothing and of logging
 steps (leaving out the first 30 steps and the first logging step after them: compiles), each
-relative to the baseline of the same repeat; the spread of that ratio over repeats; and, from
-dynamo's own counters, the graphs compiled and the graph breaks over the whole fit, and the
-recompile-limit warnings dynamo logged.
+relative to the mean of the baseline fits run just before and just after it (the baseline runs
+between every two variants, so a machine that drifts over a repeat moves both sides alike); the
+spread of that ratio over repeats; and, from dynamo's own counters, the graphs compiled and the
+graph breaks over the whole fit, and the recompile-limit warnings dynamo logged.
 
 With ``--instructions``, each compiled variant instead runs once under valgrind's callgrind, in
 processes side by side, one intra-op thread (see ``_callgrind.py``): compiles run uninstrumented,
@@ -204,8 +205,8 @@ def main() -> None:
     limits = LimitWarnings()
     logging.getLogger("torch._dynamo").addHandler(limits)
     every = args.every
-    table = {name: v for name, v in variants(every).items() if not args.only or name in args.only}
     baseline = "compiled, no callbacks"
+    table = {name: v for name, v in variants(every).items() if not args.only or name in (*args.only, baseline)}
     quiet_ms: dict[str, list[float]] = {name: [] for name in table}
     logging_ms: dict[str, list[float]] = {name: [] for name in table}
     quiet_ratio: dict[str, list[float]] = {name: [] for name in table}
@@ -214,26 +215,41 @@ def main() -> None:
     breaks: dict[str, int] = {}
     limit_warnings: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as root:
+
+        def run(name: str) -> tuple[float, float]:
+            """One fit of ``name``: the median step time of its quiet steps and of its logging steps."""
+            compiled, callbacks = table[name]
+            torch._dynamo.reset()
+            counters.clear()
+            limits.count = 0
+            times = fit(compiled, callbacks(), args.steps, every, root)
+            graphs[name] = counters["stats"]["unique_graphs"]
+            breaks[name] = sum(counters["graph_break"].values())
+            limit_warnings[name] = limits.count
+            first_logging = (SKIP // every + 1) * every
+            quiet_ms[name].append(statistics.median(t for s, t in times if s > SKIP and s % every))
+            logging_ms[name].append(statistics.median(t for s, t in times if s > first_logging and s % every == 0))
+            print(
+                f"# {name}: quiet {quiet_ms[name][-1] * 1e3:.2f} ms, logging {logging_ms[name][-1] * 1e3:.2f} ms, "
+                f"{graphs[name]} graphs, {breaks[name]} breaks, {limits.count} recompile-limit warnings",
+                flush=True,
+            )
+            return quiet_ms[name][-1], logging_ms[name][-1]
+
+        # The baseline runs before and after every variant, which is compared with the mean of the two:
+        # a shared machine drifts by several percent over a repeat, about linearly over a fit or two.
         for _ in range(args.repeats):
-            for name, (compiled, callbacks) in table.items():
-                torch._dynamo.reset()
-                counters.clear()
-                limits.count = 0
-                times = fit(compiled, callbacks(), args.steps, every, root)
-                graphs[name] = counters["stats"]["unique_graphs"]
-                breaks[name] = sum(counters["graph_break"].values())
-                limit_warnings[name] = limits.count
-                first_logging = (SKIP // every + 1) * every
-                quiet_ms[name].append(statistics.median(t for s, t in times if s > SKIP and s % every))
-                logging_ms[name].append(statistics.median(t for s, t in times if s > first_logging and s % every == 0))
-                print(
-                    f"# {name}: quiet {quiet_ms[name][-1] * 1e3:.2f} ms, logging {logging_ms[name][-1] * 1e3:.2f} ms, "
-                    f"{graphs[name]} graphs, {breaks[name]} breaks, {limits.count} recompile-limit warnings",
-                    flush=True,
-                )
+            before = run(baseline)
             for name in table:
-                quiet_ratio[name].append(quiet_ms[name][-1] / quiet_ms[baseline][-1])
-                logging_ratio[name].append(logging_ms[name][-1] / logging_ms[baseline][-1])
+                if name == baseline:
+                    continue
+                quiet_time, logging_time = run(name)
+                after = run(baseline)
+                quiet_ratio[name].append(quiet_time / ((before[0] + after[0]) / 2))
+                logging_ratio[name].append(logging_time / ((before[1] + after[1]) / 2))
+                before = after
+            quiet_ratio[baseline].append(1.0)
+            logging_ratio[baseline].append(1.0)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats x "
         f"{args.steps} steps, logging every {every}\n"
