@@ -13,10 +13,14 @@ Needs ``valgrind`` and a C compiler with valgrind's headers (Debian: ``valgrind`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 LIBRARY_ENV = "LIGHTNING_HOOKS_CALLGRIND_LIBRARY"
@@ -39,6 +43,21 @@ def missing_tools() -> str | None:
     if not any(Path(root, "valgrind", "callgrind.h").exists() for root in ("/usr/include", "/usr/local/include")):
         return "valgrind's header valgrind/callgrind.h is not installed (Debian: apt-get install valgrind)"
     return None
+
+
+def require() -> None:
+    """Exit with the reason when instruction counts cannot be taken on this machine."""
+    if (why := missing_tools()) is not None:
+        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+
+
+@contextlib.contextmanager
+def workspace() -> Iterator[tuple[Path, Path]]:
+    """``(directory, library)``: a scratch directory for the counting processes' dumps and logs, with the
+    client-request library built in it; removed afterwards."""
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch)
+        yield directory, build_library(directory)
 
 
 def build_library(directory: Path) -> Path:

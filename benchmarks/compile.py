@@ -134,16 +134,13 @@ def count_child(name: str, out: str, every: int) -> None:
 def count_instructions(every: int, only: list[str] | None) -> None:
     from benchmarks import _callgrind
 
-    if (why := _callgrind.missing_tools()) is not None:
-        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+    _callgrind.require()
     table = [name for name, (compiled, _) in variants(every).items() if compiled and (not only or name in only)]
     print(
         f"torch {torch.__version__}, valgrind's callgrind, 1 thread; logging every {every}, steps counted: "
         f"{every}-{3 * every - 1}, one run per variant\n"
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        out_dir = Path(scratch)
-        library = _callgrind.build_library(out_dir)
+    with _callgrind.workspace() as (out_dir, library):
         # Inductor compiles its kernels with `-march=native`, which may use instructions valgrind
         # cannot run (AVX-512): the children compile their own (no on-disk cache) for AVX2.
         os.environ.update(

@@ -160,16 +160,13 @@ def count_instructions(workloads: list[str]) -> None:
     """One callgrind process per workload, side by side."""
     from benchmarks import _callgrind
 
-    if (why := _callgrind.missing_tools()) is not None:
-        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+    _callgrind.require()
     first, count = COUNTED
     print(
         f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, callgrind, 1 thread, "
         f"steps {first}-{first + count - 1} counted"
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        out_dir = Path(scratch)
-        library = _callgrind.build_library(out_dir)
+    with _callgrind.workspace() as (out_dir, library):
         children = {}
         for workload in workloads:
             out, log = out_dir / f"{workload}.json", out_dir / f"{workload}.log"

@@ -487,8 +487,7 @@ def count_instructions(table: list[Variant], args: argparse.Namespace) -> None:
     """One callgrind process per workload, run side by side: instruction counts ignore the load."""
     from benchmarks import _callgrind
 
-    if (why := _callgrind.missing_tools()) is not None:
-        sys.exit(f"instruction counts need valgrind and a C compiler: {why}")
+    _callgrind.require()
     every = args.instructions
     print(
         f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, torch {torch.__version__}, lightning {pl.__version__}, "
@@ -496,9 +495,7 @@ def count_instructions(table: list[Variant], args: argparse.Namespace) -> None:
         "counted, one run per variant"
     )
     sys.stdout.flush()
-    with tempfile.TemporaryDirectory() as scratch:
-        out_dir = Path(scratch)
-        library = _callgrind.build_library(out_dir)
+    with _callgrind.workspace() as (out_dir, library):
         children = {}
         for workload in args.workloads:
             out, log = out_dir / f"{workload}.jsonl", out_dir / f"{workload}.log"
