@@ -154,7 +154,9 @@ class TensorBoardBackend(Backend):
         if not data.kinds():
             return
         writer = logger.experiment
-        if data.histograms and hasattr(writer, "_get_file_writer"):
+        # torch's SummaryWriter, whose file writer takes whole events; tensorboardX's has no such method
+        files = writer._get_file_writer() if hasattr(writer, "_get_file_writer") else None
+        if data.histograms and files is not None:
             # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
             event = Event()
             add = event.summary.value.add
@@ -164,7 +166,7 @@ class TensorBoardBackend(Backend):
                 histo.sum, histo.sum_squares = hist.sum, hist.sum_squares
                 histo.bucket_limit.extend(hist.bucket_limits)
                 histo.bucket.extend(hist.bucket_counts)
-            writer._get_file_writer().add_event(event, data.step)
+            files.add_event(event, data.step)
         else:
             for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
                 writer.add_histogram_raw(
@@ -179,19 +181,19 @@ class TensorBoardBackend(Backend):
                     global_step=data.step,
                 )
         for tag, text in data.markdown().items():
-            if hasattr(writer, "_get_file_writer"):
+            if files is not None:
                 # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
                 summary = text_summary(tag, text)
                 summary.value[0].tag = tag
                 # A scalar string, not a 1-element vector: TensorBoard renders a vector as a table of
                 # cells, which would frame a markdown table inside another one.
                 summary.value[0].tensor.tensor_shape.ClearField("dim")
-                writer._get_file_writer().add_summary(summary, data.step)
+                files.add_summary(summary, data.step)
             else:  # pragma: no cover - tensorboardX writer
                 writer.add_text(tag, text, global_step=data.step)
         for tag, image in data.images.items():
-            if hasattr(writer, "_get_file_writer"):
-                writer._get_file_writer().add_summary(png_summary(tag, image), data.step)
+            if files is not None:
+                files.add_summary(png_summary(tag, image), data.step)
             else:  # pragma: no cover - tensorboardX writer
                 writer.add_image(tag, image, global_step=data.step, dataformats="HWC")
 
