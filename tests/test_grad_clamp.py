@@ -47,20 +47,65 @@ def hooked_parameters(trainer: object, model: torch.nn.Module, *args: object) ->
     return {name: len(p._backward_hooks) for name, p in model.named_parameters() if p._backward_hooks}
 
 
+def gradient_peaks(trainer: object, model: torch.nn.Module, *args: object) -> dict[str, float]:
+    return {name: float(p.grad.abs().max()) for name, p in model.named_parameters() if p.grad is not None}
+
+
 def test_frozen_parameters_are_skipped(tmp_path: Path) -> None:
+    # Accumulating: a tensor hook per parameter.
     model = TinyNet()
     model.fc1.requires_grad_(False)
     probe = Probe("on_train_batch_start", hooked_parameters)
-    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1).fit(model)
+    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1, accumulate_grad_batches=2).fit(model)
     names = {"fc2.weight", "fc2.bias", "head.weight", "head.bias", "unused.weight", "unused.bias"}
-    assert probe.seen == [dict.fromkeys(names, 1)]
+    assert probe.seen == [dict.fromkeys(names, 1)] * 2
     assert not any(p._backward_hooks for p in model.parameters())
+
+
+def test_one_process_clamps_as_the_backward_ends_without_a_hook_per_parameter(tmp_path: Path) -> None:
+    model = TinyNet(lr=0.0)
+    model.fc1.requires_grad_(False)
+    hooks = Probe("on_train_batch_start", hooked_parameters)
+    peaks = Probe("on_after_backward", gradient_peaks)  # the first callback hook after backward returns
+    make_trainer(tmp_path, [peaks, GradClamp(0.01), hooks], logger=False, max_steps=2).fit(model)
+    assert hooks.seen == [{}, {}]
+    assert [sorted(seen) for seen in peaks.seen] == [["fc2.bias", "fc2.weight", "head.bias", "head.weight"]] * 2
+    assert all(peak == pytest.approx(0.01) for seen in peaks.seen for peak in seen.values())
+
+
+class KeepsGradients(TinyNet):
+    """Never empties ``.grad``: each step's gradient is added to what it holds."""
+
+    def optimizer_zero_grad(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_a_gradient_already_held_is_not_clamped_again(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = KeepsGradients(lr=0.3, batch_size=8)
+    reference = copy.deepcopy(model)
+    make_trainer(tmp_path, [GradClamp(0.02)], logger=False, max_steps=3).fit(model)
+    # Each backward's gradient is clamped, then added to the sum of the earlier steps' clamped gradients.
+    params = [p for p in reference.parameters()]
+    held = [torch.zeros_like(p) for p in params]
+    for step in range(3):
+        x, y = reference.x[8 * step : 8 * (step + 1)], reference.y[8 * step : 8 * (step + 1)]
+        grads = torch.autograd.grad(F.cross_entropy(reference(x), y), params, allow_unused=True)
+        with torch.no_grad():
+            for p, h, g in zip(params, held, grads, strict=True):
+                if g is not None:
+                    h += g.clamp(-0.02, 0.02)
+                    p -= 0.3 * h
+    for (name, a), b in zip(model.named_parameters(), params, strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+    # Clamping the sum instead would have bounded every held gradient by 0.02.
+    assert max(float(h.abs().max()) for h in held) > 0.03
 
 
 def test_tied_weight_is_hooked_once(tmp_path: Path) -> None:
     model = TinyNet()
     model.unused.weight = model.fc2.weight  # a (8, 8) weight shared by two modules
     probe = Probe("on_train_batch_start", hooked_parameters)
-    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1).fit(model)
+    make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1, accumulate_grad_batches=2).fit(model)
     assert probe.seen[0]["fc2.weight"] == 1
     assert not any(p._backward_hooks for p in model.parameters())
