@@ -514,12 +514,13 @@ class _Bucket:
     """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies`` (a view of
     ``buffer``), waiting to be reduced together; ``rows[i]`` is the row of ``keys[i]``."""
 
-    __slots__ = ("buffer", "copies", "keys", "rows", "taken")
+    __slots__ = ("buffer", "copies", "keys", "rows", "slots", "taken")
 
     def __init__(self, buffer: torch.Tensor, shape: torch.Size) -> None:
         n = shape.numel()
         self.buffer = buffer
         self.copies = buffer[: len(buffer) // n * n].view(-1, *shape)
+        self.slots = self.copies.unbind(0)  # a view of each row, made by one operator
         self.taken = 0
         self.keys: list[Key] = []
         self.rows: list[int] = []
@@ -625,7 +626,7 @@ class StatBatch:
         if bucket is None:
             bucket = self.queued[where] = _Bucket(self._buffer(t.device, n), t.shape)
             self.pending += len(bucket.buffer)
-        bucket.copies[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
+        bucket.slots[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
@@ -788,11 +789,21 @@ def _pooled(
     blocks: list[Block],
     device: torch.device,
 ) -> torch.Tensor:
-    """One state per key of ``keys``, on ``device`` (a key with nothing recorded is an empty state)."""
+    """One state per key of ``keys``, on ``device`` (a key with nothing recorded is an empty state).
+
+    The raw rows of every observation and reduced bucket are turned into states together: a
+    handful of operators for the step, not a handful per bucket.
+    """
     position = {key: i for i, key in enumerate(keys)}
     listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, ())]
-    tables = [states([o for _, o in listed], device)] if listed else []
+    parts: list[torch.Tensor] = []
+    counts: list[float] = []
     index = [i for i, _ in listed]
+    if listed:
+        empty = torch.zeros(6, dtype=torch.float64, device=device)
+        raws = [empty if o.raw is None else o.raw if o.raw.device == device else o.raw.to(device) for _, o in listed]
+        parts.append(torch.stack(raws))
+        counts += [float(o.numel) for _, o in listed]
     for block in blocks:  # a bucket's keys may belong to groups fetched apart, a row to several keys
         at = [position.get(key, -1) for key in block.keys]
         kept = [j for j, i in enumerate(at) if i >= 0]
@@ -801,9 +812,13 @@ def _pooled(
         raw = block.raw
         if len(kept) < len(at) or len(block.rows) > len(raw):
             raw = raw[[block.rows[j] for j in kept]]
-        count = torch.full((len(kept),), float(block.numel), dtype=torch.float64, device=device)
-        tables.append(_state_table(count, raw.to(device)))
+        parts.append(raw if raw.device == device else raw.to(device))
+        counts += [float(block.numel)] * len(kept)
         index += [at[j] for j in kept]
+    tables = []
+    if parts:
+        count = torch.tensor(counts, dtype=torch.float64, device=device)
+        tables.append(_state_table(count, torch.cat(parts) if len(parts) > 1 else parts[0]))
     ready = [(i, r) for i, key in enumerate(keys) for r in rows.get(key, [])]
     if ready:
         tables.append(torch.stack([r.to(device) for _, r in ready]))

@@ -381,9 +381,9 @@ def activation_ops(layers: int) -> Counter[str]:
 def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_reductions() -> None:
     few, many = activation_ops(50), activation_ops(400)
     copies = many - few
-    each = Counter({"aten::select": 1, "aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row
+    each = Counter({"aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row (a view made once)
     assert copies == Counter({op: 350 for op in each})
-    assert sum((few - Counter({op: 50 for op in each})).values()) < 40  # reductions, pooling
+    assert sum((few - Counter({op: 50 for op in each})).values()) <= 40  # reductions, pooling
 
 
 def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
