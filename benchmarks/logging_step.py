@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/logging_step.py                          # this checkout, encoder24
     .venv/bin/python benchmarks/logging_step.py --before ../main         # before/after, interleaved
+    .venv/bin/python benchmarks/logging_step.py --floor                  # and the least observing can cost
 
 Each run is one fit in a fresh process (``--repeats`` of them, the code bases alternating when
 ``--before`` names another checkout, whose ``lightning_hooks`` is then imported instead of this
@@ -51,6 +52,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from benchmarks.overhead import WORKLOADS, quiet  # noqa: E402
 from lightning_hooks import ActivationStats, GradStats, _gradients, _sink, _stats  # noqa: E402
+from lightning_hooks._select import ModuleSelector  # noqa: E402
 
 PARTS = ("reductions", "events", "writer thread")
 
@@ -113,7 +115,52 @@ class Steps(pl.Callback):
         self._last = now
 
 
-def run(workload: str, steps: int, every: int, histograms: bool) -> dict[str, Any]:
+class Floor(pl.Callback):
+    """What observing every module's outputs and output gradients costs at the least, for comparison.
+
+    On logging steps, every module the two callbacks select gets, like theirs, two forward hooks
+    (one for the output, one that puts a tensor hook on it for its gradient), removed at the
+    batch's end. ``sums=False``: the hooks do nothing else, which is torch's price for the hooks
+    alone (registration, ``nn.Module.__call__``'s slow path, autograd calling Python). ``sums=True``:
+    each takes one reduction of each tensor (its sum), brought to the host in one transfer: one
+    operator per tensor, against the six statistics the callbacks derive. No parameter statistics,
+    no tags, no events.
+    """
+
+    def __init__(self, every: int, sums: bool) -> None:
+        self.every, self.sums = every, sums
+        self.handles: list[Any] = []
+        self.taken: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every:
+            return
+        for _, module in ModuleSelector().select(pl_module):
+            self.handles.append(module.register_forward_hook(self.output))
+            self.handles.append(module.register_forward_hook(self.gradient))
+
+    def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.sums and isinstance(output, torch.Tensor):
+            self.taken.append(output.detach().sum())
+
+    def gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self.read)
+
+    def read(self, grad: torch.Tensor) -> None:
+        if self.sums:
+            self.taken.append(grad.sum())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self.taken:
+            torch.stack(self.taken).tolist()
+            self.taken = []
+
+
+def run(workload: str, steps: int, every: int, histograms: bool, floor: str | None = None) -> dict[str, Any]:
     """One fit; the logging steps' extra cost and its parts, in milliseconds."""
     quiet()
     clock = Clock()
@@ -121,8 +168,12 @@ def run(workload: str, steps: int, every: int, histograms: bool) -> dict[str, An
     probe = Steps(clock)
     torch.manual_seed(0)
     model, data = WORKLOADS[workload]()
-    callbacks = [GradStats(log_every_n_steps=every, histograms=histograms)]
-    callbacks.append(ActivationStats(log_every_n_steps=every, histograms=histograms))
+    callbacks: list[pl.Callback]
+    if floor is not None:
+        callbacks = [Floor(every, sums=floor == "sums")]
+    else:
+        callbacks = [GradStats(log_every_n_steps=every, histograms=histograms)]
+        callbacks.append(ActivationStats(log_every_n_steps=every, histograms=histograms))
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -169,9 +220,10 @@ def package_of(checkout: Path) -> Iterator[str]:
         yield directory
 
 
-def child(args: argparse.Namespace, before: str | None) -> dict[str, Any]:
+def child(args: argparse.Namespace, before: str | None, floor: str | None = None) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", args.workload, "--steps", str(args.steps)]
     command += ["--every", str(args.every), *(["--histograms"] if args.histograms else [])]
+    command += ["--floor-of", floor] if floor is not None else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env.pop(BEFORE_ENV, None)
     if before is not None:
@@ -203,22 +255,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each fit")
     parser.add_argument("--histograms", action="store_true")
     parser.add_argument("--before", type=Path, help="another checkout to measure against, interleaved")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the least that observing every output and output gradient costs (see Floor)",
+    )
     parser.add_argument("--child", metavar="WORKLOAD", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-of", choices=["hooks", "sums"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        print(json.dumps(run(args.child, args.steps, args.every, args.histograms)))
+        print(json.dumps(run(args.child, args.steps, args.every, args.histograms, args.floor_of)))
         return
     bases: dict[str, Callable[[], contextlib.AbstractContextManager[str | None]]] = {
         "this checkout": contextlib.nullcontext
     }
     if args.before is not None:
         bases = {f"before ({args.before})": lambda: package_of(args.before), **bases}
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in bases}
+    floors = {"hooks that do nothing (floor)": "hooks", "hooks + one sum per tensor (floor)": "sums"}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*bases, *(floors if args.floor else ())]}
     for _ in range(args.repeats):
         for name, base in bases.items():
             with base() as path:
                 runs[name].append(child(args, path))
+        for name, kind in floors.items() if args.floor else ():
+            runs[name].append(child(args, None, kind))
     first = next(iter(runs.values()))[0]
     print(
         f"{time.strftime('%Y-%m-%d')}, {args.workload} ({first['parameters']} parameter tensors, {first['modules']} "

@@ -73,10 +73,12 @@ def test_a_tiny_timed_run_prints_a_table_with_every_variant_asked_for() -> None:
 def test_the_logging_step_split_prints_every_part() -> None:
     out = output_of(
         [sys.executable, "benchmarks/logging_step.py", "--workload", "digits-cnn", "--repeats", "1"]
-        + ["--steps", "8", "--every", "2"]
+        + ["--steps", "8", "--every", "2", "--floor"]
     )
     [row] = [line for line in out.splitlines() if line.startswith("| this checkout |")]
     assert len(row.split(" | ")) == 7
+    floors = [line.split(" | ") for line in out.splitlines() if "(floor) |" in line]
+    assert [cells[0] for cells in floors] == ["| hooks that do nothing (floor)", "| hooks + one sum per tensor (floor)"]
     assert "reduction kernels | host work per key | event writing | writer thread" in out
 
 
