@@ -129,13 +129,17 @@ class Floor(pl.Callback):
 
     def __init__(self, every: int, sums: bool) -> None:
         self.every, self.sums = every, sums
+        self.modules: list[torch.nn.Module] = []
         self.handles: list[Any] = []
         self.taken: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.modules = [module for _, module in ModuleSelector().select(pl_module)]  # once, as the callbacks do
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step % self.every:
             return
-        for _, module in ModuleSelector().select(pl_module):
+        for module in self.modules:
             self.handles.append(module.register_forward_hook(self.output))
             self.handles.append(module.register_forward_hook(self.gradient))
 
