@@ -170,6 +170,30 @@ def observe_rows(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.
     return torch.stack([mean, spread, abs_max, abs_sum, nonzero, nonfinite], dim=1).double()
 
 
+def observe_norms(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`observe_rows` for a caller that needs only each row's mean, sum of squares, largest magnitude and
+    count of NaN and Inf: what the ``norm``, ``mean``, ``abs_max`` and ``nonfinite`` statistics derive from.
+
+    Four read passes over ``m`` (sum, L2 norm, max, min) where :func:`observe_rows` makes eight
+    and writes three. The sum of magnitudes and the non-zero count are not computed: NaN, and so
+    is what derives from them (``zero_frac``); the spread is rebuilt from the float32 sum of
+    squares, so ``std`` is only as precise as that when the mean is large against it. ``m`` is
+    overwritten only when a row holds NaN or Inf (or its squares overflow), to count them.
+    """
+    total, norm = m.sum(1), torch.linalg.vector_norm(m, dim=1)
+    high, low = m.amax(1), m.amin(1)  # NaN wins
+    if m.device.type == "cpu" and math.isfinite(norm.sum().item()):  # on CPU reading it costs no transfer
+        nonfinite = torch.zeros_like(total)
+    else:
+        magnitude = m.abs() if scratch is None else torch.abs(m, out=scratch)
+        nonfinite = torch.ne(magnitude.mul_(0), 0, out=m).sum(1)  # |x| * 0 is NaN exactly for NaN and Inf
+    total, norm, high, low, nonfinite = torch.stack([total, norm, high, low, nonfinite], dim=1).double().unbind(1)
+    mean = total / m.shape[1]
+    spread = torch.addcmul(norm * norm, mean, total, value=-1).clamp_(min=0.0).sqrt_()  # NaN stays NaN
+    unknown = torch.full_like(mean, math.nan)
+    return torch.stack([mean, spread, torch.maximum(high, -low), unknown, unknown, nonfinite], dim=1)
+
+
 FUSED_MAX = 1024
 """:func:`observe_many` fuses tensors of at most this many elements and reduces larger ones one by one.
 
@@ -570,6 +594,9 @@ class StatBatch:
     reduced)."""
     spare: list[torch.Tensor] = field(default_factory=list)
     """CPU buffers of :data:`ROW_CHUNK` elements that reduced buckets gave back, for the next ones."""
+    lean: bool = False
+    """Reduce the copies with :func:`observe_norms`: for a caller that derives only ``norm``, ``mean``,
+    ``abs_max`` and ``nonfinite`` from what it passes to :meth:`add` (larger tensors are observed in full)."""
 
     def __len__(self) -> int:
         return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
@@ -653,7 +680,8 @@ class StatBatch:
         self.last = None
         scratch = self._buffer(bucket.buffer.device, k * n)
         with torch.no_grad():
-            raw = observe_rows(bucket.copies[:k].view(k, n), scratch[: k * n].view(k, n))
+            reduce = observe_norms if self.lean else observe_rows
+            raw = reduce(bucket.copies[:k].view(k, n), scratch[: k * n].view(k, n))
         self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))
         if scratch.device.type == "cpu":  # done with them; on CUDA the caching allocator reuses memory anyway
             self.spare += [bucket.buffer, scratch]

@@ -332,6 +332,27 @@ def test_queued_rows_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, 
         assert (a.numel, a.nonzero, a.nonfinite) == (b.numel, b.nonzero, b.nonfinite)  # counts are exact
 
 
+@pytest.mark.parametrize(("row_max", "chunk"), [(1 << 15, 1 << 17), (1 << 15, 13)])
+def test_lean_rows_give_the_norm_mean_peak_and_nonfinite_count_of_the_per_tensor_path(
+    monkeypatch: pytest.MonkeyPatch, row_max: int, chunk: int
+) -> None:
+    monkeypatch.setattr(_stats, "ROW_MAX", row_max)
+    monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
+    tensors = [*ROWS, *MIXED]
+    batch = StatBatch(lean=True)
+    batch.start()
+    for i, t in enumerate(tensors):
+        batch.add(("out", str(i)), t)
+    got = batch.fetch().states
+    for i, t in enumerate(tensors):
+        a, b = derive(got["out", str(i)]), derive(state(t))
+        assert a.keys() == b.keys()  # nothing for an empty tensor
+        for stat in ("norm", "mean", "abs_max", "nonfinite") if b else ():
+            assert a[stat] == pytest.approx(b[stat], rel=1e-5, abs=1e-6, nan_ok=True), (i, t.dtype, stat)
+        if 0 < t.numel() <= row_max:  # copied into a row: no count of zeros was taken
+            assert math.isnan(a["zero_frac"])
+
+
 def test_queued_rows_pool_calls_of_one_key_with_the_others() -> None:
     batch = StatBatch()
     batch.start()

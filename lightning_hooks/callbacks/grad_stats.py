@@ -132,6 +132,9 @@ class GradStats(StatsCallback):
         self._sharded = False
         """Whether some parameter is sharded (FSDP2): parameter states are then pooled across processes."""
         self._ratio_handles = HookHandles()
+        # What this batch takes one by one, output gradients (logged as OUTPUT_GRAD_STATS) and the change and
+        # weight of a sharded parameter (their sums of squares), needs no sum of magnitudes or non-zero count.
+        self._batch.lean = True
         self._outputs = OutputGradRecorder(self._batch, fired=self._fired)
         self._grads = ParamGradRecorder(self._batch, self.histograms, update_ratio)
 
