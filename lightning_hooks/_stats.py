@@ -475,9 +475,11 @@ def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
     offsets = torch.arange(0, k * bins, bins, device=x.device).unsqueeze(1)  # row r counts into its own buckets
     if x.device.type == "cpu" and bool(total.isfinite().all()):
         lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
-        index = (x - lo).div_(torch.clamp(hi - lo, min=1e-12)).mul_(bins).floor_().clamp_(0, bins - 1).long()
-        counts = torch.bincount(index.add_(offsets).view(-1), minlength=k * bins).to(x.dtype)
-        head = torch.cat([lo, hi, torch.full_like(lo, n), total, (x * x).sum(1, keepdim=True)], 1)
+        # int32 indices: converting to them and offsetting them took half the time of int64 ones
+        index = (x - lo).div_(torch.clamp(hi - lo, min=1e-12)).mul_(bins).floor_().clamp_(0, bins - 1).int()
+        counts = torch.bincount(index.add_(offsets.int()).view(-1), minlength=k * bins).to(x.dtype)
+        squares = torch.linalg.vector_norm(x, dim=1, keepdim=True).square_()  # a third of (x * x).sum(1)'s time
+        head = torch.cat([lo, hi, torch.full_like(lo, n), total, squares], 1)
         return torch.cat([head, counts.view(k, bins)], 1)
     finite = torch.isfinite(x)
     lo = torch.where(finite, x, math.inf).amin(1, keepdim=True)
@@ -487,7 +489,7 @@ def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
     index = ((safe - lo) / width * bins).floor_().clamp_(0, bins - 1).long()
     counts = torch.zeros(k * bins, dtype=x.dtype, device=x.device)
     counts.scatter_add_(0, index.add_(offsets).view(-1), finite.to(x.dtype).view(-1))
-    squares = (safe * safe).sum(1, keepdim=True)
+    squares = torch.linalg.vector_norm(safe, dim=1, keepdim=True).square_()
     head = torch.cat([lo, hi, finite.sum(1, keepdim=True).to(x.dtype), safe.sum(1, keepdim=True), squares], 1)
     return torch.cat([head, counts.view(k, bins)], 1)
 
