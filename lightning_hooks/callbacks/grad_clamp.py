@@ -65,8 +65,9 @@ class GradClamp(HookCallback):
     clamped before FSDP reduce-scatters it, as under DDP. ``grad_clamp/clamped_fraction`` then
     counts every rank's elements (one more all-reduce on logging steps).
 
-    Under ``torch.compile`` both modes work unchanged: parameter tensor hooks are called by
-    autograd when it accumulates a parameter's gradient, outside the compiled graphs.
+    Under ``torch.compile`` both modes work unchanged: the clamp at the end of the backward pass
+    and the parameter tensor hooks (called by autograd when it accumulates a parameter's
+    gradient) both run outside the compiled graphs.
 
     In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler``
     (fp16 mixed precision), the backward hook sees gradients multiplied by the loss scale, so it
