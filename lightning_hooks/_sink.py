@@ -119,6 +119,10 @@ def _writes_events(logger: object) -> TypeGuard[TensorBoardLogger]:
     )
 
 
+_EVENTS_KEPT = 8
+"""Scalar events a TensorBoard backend keeps for reuse (one per callback, usually)."""
+
+
 class TensorBoardBackend(Backend):
     """Scalars as one event per step, histograms, markdown text and tables, images, the custom-scalars layout."""
 
@@ -129,6 +133,8 @@ class TensorBoardBackend(Backend):
         super().__init__()
         self.layout_tags: dict[str, None] = {}
         """Every scalar tag a sink has put in this run's custom-scalars layout, in logging order."""
+        self.events: dict[tuple[str, ...], Event] = {}
+        """An event of scalars per set of tags written, reused for the next step with the same tags."""
 
     @staticmethod
     def checksum_in_c(logger: TensorBoardLogger) -> None:
@@ -143,11 +149,20 @@ class TensorBoardBackend(Backend):
             # writes one event per scalar, about 20 µs each, and a step can have a hundred or more.
             # The values are added to the event in place: building `Summary.Value` objects and then a
             # `Summary` of them, which `add_summary` copies into an `Event`, took 6 times as long.
+            # A callback logs the same tags at every logging step: the event of the last step with those tags only
+            # gets its values replaced (half the time of adding 6,000 values anew); it is serialised as it is added.
             values = _add_prefix(data.scalars, logger._prefix, logger.LOGGER_JOIN_CHAR)
-            event = Event()
-            add = event.summary.value.add
-            for tag, value in values.items():
-                add(tag=tag, simple_value=value)
+            tags = tuple(values)
+            event = self.events.get(tags)
+            if event is None:
+                if len(self.events) >= _EVENTS_KEPT:
+                    self.events.clear()
+                event = self.events[tags] = Event()
+                add = event.summary.value.add
+                for tag in tags:
+                    add(tag=tag)
+            for item, value in zip(event.summary.value, values.values(), strict=True):
+                item.simple_value = value
             logger.experiment._get_file_writer().add_event(event, data.step)
         else:
             super().write(logger, data)

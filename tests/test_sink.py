@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
@@ -28,6 +29,25 @@ def test_a_logging_step_writes_all_its_scalars_as_one_tensorboard_event(tmp_path
     assert len(written) == 3  # steps 0, 2, 4
     assert len(written[0]) == len(set(written[0])) >= 10  # every statistic of every layer, once
     assert scalars(tmp_path, "act_mean/fc1").keys() == {0, 2, 4}
+
+
+class OddSteps(TinyNet):
+    """``unused`` runs on odd steps only (on the first column pair of the input): the tags of a step change."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.unused(x[:, :2]).sum() * 0 if self.global_step % 2 else out
+
+
+def test_steps_with_other_tags_get_their_own_events(tmp_path: Path) -> None:
+    make_trainer(tmp_path, [ActivationStats(log_every_n_steps=1)], max_steps=4, log_every_n_steps=1).fit(OddSteps())
+    written = scalar_events(tmp_path)
+    assert ["act_mean/unused" in tags for tags in written] == [False, True, False, True]
+    assert len(written[1]) == len(written[0]) + 5  # the five statistics of `unused`
+    means = scalars(tmp_path, "act_mean/fc1")
+    assert means.keys() == {0, 1, 2, 3}
+    assert len(set(means.values())) == 4  # each step's own values, not the event's earlier ones
+    assert scalars(tmp_path, "act_mean/unused").keys() == {1, 3}
 
 
 def test_the_tensorboard_logger_prefix_is_kept(tmp_path: Path) -> None:
