@@ -10,6 +10,7 @@ from torch import nn
 from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._shards import is_sharded, local
+from lightning_hooks._stats import FUSED_CHUNK, flatten, fused_chunks
 
 
 class ClampCount:
@@ -148,8 +149,10 @@ class GradClamper:
         value, count = self.value, self.count
         dense = [grad for grad in grads if grad.layout == torch.strided]
         with torch.no_grad():
-            if count.active:
-                count.clamped += [(values.abs() > value).sum() for values in _end_to_end(dense)]
+            if count.active:  # over the gradients end to end, a few operators in all, not three per gradient
+                values = [flatten([dense[i] for i in chunk])[0] for chunk in fused_chunks(dense, FUSED_CHUNK)]
+                values += [grad for grad in dense if grad.numel() > FUSED_CHUNK]
+                count.clamped += [(v.abs() > value).sum() for v in values]
                 count.seen += sum(grad.numel() for grad in dense)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)
@@ -173,33 +176,6 @@ class _ClampUnsharded:
             if not is_sharded(param) and param.requires_grad and id(param) not in hooked:
                 hooked.add(id(param))
                 self.handles.add(param.register_hook(_ClampHook(self.clamper)))
-
-
-_COUNT_CHUNK = 1 << 22
-"""The clamped elements are counted over at most this many gradient values at once (a 16 MB float32 copy)."""
-
-
-def _end_to_end(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads`` of one device and dtype copied end to end into flat tensors of at most :data:`_COUNT_CHUNK` values
-    (larger ones as they are): a count over many small gradients in four operators, not three per gradient."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    flats: list[torch.Tensor] = []
-    for grad in grads:
-        if grad.numel() > _COUNT_CHUNK:
-            flats.append(grad)
-        else:
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    for same in groups.values():
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for grad in same:
-            if size + grad.numel() > _COUNT_CHUNK:
-                flats.append(torch._C._nn.flatten_dense_tensors(chunk))
-                chunk, size = [], 0
-            chunk.append(grad)
-            size += grad.numel()
-        flats.append(torch._C._nn.flatten_dense_tensors(chunk))
-    return flats
 
 
 class _AtBackwardEnd:

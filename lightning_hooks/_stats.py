@@ -163,11 +163,23 @@ def observe_rows(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.
     abs_sum = magnitude.sum(1)
     spread = torch.linalg.vector_norm(m.sub_(mean.unsqueeze(1)), dim=1)
     nonzero = torch.ne(magnitude, 0, out=m).sum(1)  # NaN counts as non-zero, as in count_nonzero
-    if m.device.type == "cpu" and bool(abs_sum.isfinite().all()):  # on CPU reading it costs no transfer
-        nonfinite = torch.zeros_like(abs_sum)  # a finite sum of magnitudes: no NaN or Inf to count
-    else:
-        nonfinite = torch.ne(magnitude.mul_(0), 0, out=m).sum(1)  # |x| * 0 is NaN exactly for NaN and Inf
+    # A finite sum of magnitudes: no NaN or Inf to count.
+    nonfinite = torch.zeros_like(abs_sum) if surely_finite(abs_sum) else _count_nonfinite(magnitude, m)
     return torch.stack([mean, spread, abs_max, abs_sum, nonzero, nonfinite], dim=1).double()
+
+
+def surely_finite(sums: torch.Tensor) -> bool:
+    """Whether ``sums`` (one per row: of magnitudes, a norm) are all finite, so that their rows hold no NaN or Inf.
+
+    Asked only on CPU, where reading a value costs no transfer (elsewhere ``False``: count them on
+    device). A sum of finite values that overflowed answers ``False`` too; the caller then counts.
+    """
+    return sums.device.type == "cpu" and bool(sums.isfinite().all())
+
+
+def _count_nonfinite(magnitude: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Per row, the NaN and Inf values behind ``magnitude`` (``|x| * 0`` is NaN exactly for them); both overwritten."""
+    return torch.ne(magnitude.mul_(0), 0, out=out).sum(1)
 
 
 def observe_norms(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,11 +194,10 @@ def observe_norms(m: torch.Tensor, scratch: torch.Tensor | None = None) -> torch
     """
     total, norm = m.sum(1), torch.linalg.vector_norm(m, dim=1)
     high, low = m.amax(1), m.amin(1)  # NaN wins
-    if m.device.type == "cpu" and math.isfinite(norm.sum().item()):  # on CPU reading it costs no transfer
+    if surely_finite(norm):
         nonfinite = torch.zeros_like(total)
     else:
-        magnitude = m.abs() if scratch is None else torch.abs(m, out=scratch)
-        nonfinite = torch.ne(magnitude.mul_(0), 0, out=m).sum(1)  # |x| * 0 is NaN exactly for NaN and Inf
+        nonfinite = _count_nonfinite(m.abs() if scratch is None else torch.abs(m, out=scratch), m)
     total, norm, high, low, nonfinite = torch.stack([total, norm, high, low, nonfinite], dim=1).double().unbind(1)
     mean = total / m.shape[1]
     spread = torch.addcmul(norm * norm, mean, total, value=-1).clamp_(min=0.0).sqrt_()  # NaN stays NaN
@@ -258,12 +269,12 @@ def shape_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list
     return stacks, [i for i in range(len(tensors)) if i not in stacked]
 
 
-def fused_chunks(tensors: Sequence[torch.Tensor]) -> Iterator[list[int]]:
-    """Indices of the ``tensors`` of 1 to :data:`FUSED_MAX` elements by device and dtype, in chunks of at most
+def fused_chunks(tensors: Sequence[torch.Tensor], largest: int = FUSED_MAX) -> Iterator[list[int]]:
+    """Indices of the ``tensors`` of 1 to ``largest`` elements by device and dtype, in chunks of at most
     :data:`FUSED_CHUNK` elements."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        if 0 < t.numel() <= FUSED_MAX:
+        if 0 < t.numel() <= largest:
             groups.setdefault((t.device, t.dtype), []).append(i)
     for indices in groups.values():
         chunk: list[int] = []
@@ -473,7 +484,7 @@ def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
         return torch.zeros(k, 5 + bins, dtype=x.dtype, device=x.device)
     total = x.sum(1, keepdim=True)
     offsets = torch.arange(0, k * bins, bins, device=x.device).unsqueeze(1)  # row r counts into its own buckets
-    if x.device.type == "cpu" and bool(total.isfinite().all()):
+    if surely_finite(total):
         lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
         # int32 indices: converting to them and offsetting them took half the time of int64 ones
         index = (x - lo).div_(torch.clamp(hi - lo, min=1e-12)).mul_(bins).floor_().clamp_(0, bins - 1).int()
