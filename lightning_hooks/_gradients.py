@@ -92,7 +92,12 @@ class _OutputGradHook:
             return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                tensor.register_hook(_GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
+                reader = _GradReader(self.recorder, self.recorder.keys.key(self.name, path))
+                node = tensor.grad_fn
+                if node is None:  # a leaf returned as it is (a parameter)
+                    tensor.register_hook(reader)
+                else:  # the node that made the output, given its gradient: a third cheaper than a tensor hook
+                    node.register_prehook(_OutputOf(reader, tensor.output_nr))
 
 
 class _GradReader:
@@ -102,6 +107,23 @@ class _GradReader:
     def __call__(self, grad: torch.Tensor) -> None:
         scale = loss_scale(self.recorder.scaler)
         self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
+
+
+class _OutputOf:
+    """A pre-hook of the autograd node that made an output: hands that output's gradient to ``reader``.
+
+    The gradient is the one a tensor hook on the output registered at the same moment would get,
+    also when the output is modified in place later (the node is the one that made it); ``None``
+    when the node runs for its other outputs only.
+    """
+
+    def __init__(self, reader: _GradReader, index: int) -> None:
+        self.reader, self.index = reader, index
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grad_outputs[self.index]
+        if grad is not None:
+            self.reader(grad)
 
 
 class _PathReader:

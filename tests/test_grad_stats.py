@@ -86,6 +86,55 @@ def test_output_gradients_match_plain_autograd(tmp_path: Path) -> None:
         assert scalars(tmp_path, f"out_grad_nonfinite/{name}")[0] == 0
 
 
+class Halves(torch.nn.Module):
+    """Splits its input in two: one autograd node makes both outputs."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = x.chunk(2, dim=-1)
+        return a, b
+
+
+class Offset(torch.nn.Module):
+    """Returns its parameter itself: an output with no autograd node behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.bias
+
+
+class SplitNet(TinyNet):
+    """Only the second half of ``halves``' output reaches the loss; ``offset`` returns a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 16)
+        self.halves, self.offset = Halves(), Offset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, used = self.halves(self.fc1(x))
+        return self.head(self.act(used)) + self.offset()[:3]
+
+
+def test_output_gradients_of_a_node_with_two_outputs_and_of_a_returned_leaf(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = SplitNet()
+    reference = copy.deepcopy(model)
+    make_trainer(tmp_path, [GradStats(include=["halves", "offset"])], max_steps=1).fit(model)
+    outputs: dict[str, torch.Tensor] = {}
+    reference.halves.register_forward_hook(lambda m, a, out: outputs.__setitem__("halves.out.1", out[1]))
+    reference.offset.register_forward_hook(lambda m, a, out: outputs.__setitem__("offset", out))
+    loss = F.cross_entropy(reference(reference.x[:16]), reference.y[:16])
+    grads = dict(zip(outputs, torch.autograd.grad(loss, list(outputs.values())), strict=True))
+    for name, grad in grads.items():
+        logged = scalars(tmp_path, f"out_grad_norm/{name}")[0]
+        assert logged == pytest.approx(float(torch.linalg.vector_norm(grad)), rel=1e-5), name
+    # the first half reaches no loss: its node runs for the second half only, with no gradient for it
+    assert not [t for t in events(tmp_path).Tags()["scalars"] if t.startswith("out_grad_norm/halves.out.0")]
+
+
 def test_inplace_relu_resnet_fits_and_reports_the_conv_output_gradient(tmp_path: Path) -> None:
     torch.manual_seed(0)
     inplace = ResNetish(inplace=True)
