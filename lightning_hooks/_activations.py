@@ -43,8 +43,7 @@ class ActivationRecorder:
         self.keys = OutputKeys("act")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        for name, module in modules:
-            handles.add(module.register_forward_hook(_ActivationHook(self, name, self.batch)))
+        handles.add_forward_hooks([(module, _ActivationHook(self, name, self.batch)) for name, module in modules])
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
@@ -117,9 +116,11 @@ class UnitRecorder:
         self.samples = {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        hooks = []
         for name, module in modules:
             units = next(module.parameters(recurse=False), None) is None
-            handles.add(module.register_forward_hook(_UnitHook(self, name, channels_first(module), units)))
+            hooks.append((module, _UnitHook(self, name, channels_first(module), units)))
+        handles.add_forward_hooks(hooks)
 
 
 _WIDENED = (torch.float16, torch.bfloat16)

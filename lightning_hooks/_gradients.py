@@ -58,8 +58,7 @@ class OutputGradRecorder:
         self.keys = OutputKeys("out")
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        for name, module in modules:
-            handles.add(module.register_forward_hook(_OutputGradHook(self, name)))
+        handles.add_forward_hooks([(module, _OutputGradHook(self, name)) for name, module in modules])
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending

@@ -47,3 +47,42 @@ def test_pickles_and_copy_owns_nothing() -> None:
     assert len(handles) == 1
     handles.remove()
     assert len(pickle.loads(pickle.dumps(handles))) == 0
+
+
+class OwnRegistration(nn.Linear):
+    """Registers forward hooks its own way (as some wrappers do): counts them."""
+
+    registered = 0
+
+    def register_forward_hook(self, hook, **kwargs):  # type: ignore[no-untyped-def]
+        type(self).registered += 1
+        return super().register_forward_hook(hook, **kwargs)
+
+
+def test_forward_hooks_under_one_handle_run_like_registered_ones_and_all_go() -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), OwnRegistration(3, 2))
+    calls: list[str] = []
+
+    def tap(label: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            calls.append(label)
+
+        return hook
+
+    users = [model[0].register_forward_hook(tap("user before"))]
+    handles = HookHandles()
+    # model[0] twice: the second hook must not replace the first
+    handles.add_forward_hooks(
+        [(model[0], tap("0")), (model[1], tap("1")), (model[2], tap("2")), (model[0], tap("0 again"))]
+    )
+    users.append(model[0].register_forward_hook(tap("user after")))
+    assert OwnRegistration.registered == 1
+    model(torch.ones(1, 2))
+    assert calls == ["user before", "0", "0 again", "user after", "1", "2"]
+    handles.remove()
+    calls.clear()
+    model(torch.ones(1, 2))
+    assert calls == ["user before", "user after"]
+    for handle in users:
+        handle.remove()
+    assert all(not m._forward_hooks for m in model.modules())
