@@ -234,23 +234,33 @@ def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
     tensors on CPU, where they measured no faster than one reduction per tensor.)
     """
     found = [Observation(0, None)] * len(tensors)
-    stacks, rest = shape_chunks(tensors)
-    for part in stacks:
-        n = tensors[part[0]].numel()
-        with torch.no_grad():  # a new matrix (float32 already, or converted): observe_rows may overwrite it
-            stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
-            rows = observe_rows(stacked.to(torch.float32)).unbind(0)
-        for i, raw in zip(part, rows, strict=True):
-            found[i] = Observation(n, raw)
-    for i in rest:
-        if tensors[i].numel() > FUSED_MAX:
-            found[i] = observe(tensors[i])
-    for chunk in fused_chunks([tensors[i] for i in rest]):
-        with torch.no_grad():
-            rows = _fused_raw([tensors[rest[j]] for j in chunk]).unbind(0)
-        for j, raw in zip(chunk, rows, strict=True):
-            found[rest[j]] = Observation(tensors[rest[j]].numel(), raw)
+    groups, singles = _observed_groups(tensors)
+    for indices, raw in groups:
+        for i, row in zip(indices, raw.unbind(0), strict=True):
+            found[i] = Observation(tensors[i].numel(), row)
+    for i in singles:
+        found[i] = observe(tensors[i])
     return found
+
+
+def _observed_groups(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    """:func:`observe_many`'s matrices, and the tensors to observe one by one.
+
+    ``(groups, singles)``: each group is ``(indices, raw)``, ``raw[j]`` the row of ``tensors[indices[j]]``;
+    ``singles`` are the indices of the tensors of more than :data:`FUSED_MAX` elements that share no shape.
+    Empty tensors are in neither.
+    """
+    groups: list[tuple[list[int], torch.Tensor]] = []
+    stacks, rest = shape_chunks(tensors)
+    with torch.no_grad():
+        for part in stacks:
+            n = tensors[part[0]].numel()
+            # a new matrix (float32 already, or converted): observe_rows may overwrite it
+            stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
+            groups.append((part, observe_rows(stacked.to(torch.float32))))
+        for chunk in fused_chunks([tensors[i] for i in rest]):
+            groups.append(([rest[j] for j in chunk], _fused_raw([tensors[rest[j]] for j in chunk])))
+    return groups, [i for i in rest if tensors[i].numel() > FUSED_MAX]
 
 
 def shape_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -562,19 +572,28 @@ class _Bucket:
         n = shape.numel()
         self.buffer = buffer
         self.copies = buffer[: len(buffer) // n * n].view(-1, *shape)
-        self.slots = self.copies.unbind(0)  # a view of each row, made by one operator
+        self.slots: list[torch.Tensor] = []
+        """Views of the first rows, made by one operator for several (see :meth:`slot`)."""
         self.taken = 0
         self.keys: list[Key] = []
         self.rows: list[int] = []
 
+    def slot(self) -> torch.Tensor:
+        """The view of the next free row: views are made 16 at a time, then twice as many as there are (a bucket of
+        256 small rows that gets two copies makes 16 tensors, not 256)."""
+        slots = self.slots
+        if self.taken == len(slots):
+            slots += self.copies[len(slots) : 2 * len(slots) or 16].unbind(0)
+        return slots[self.taken]
+
 
 class Block(NamedTuple):
-    """A reduced bucket: ``raw`` has one row per copy (:class:`Observation`'s layout), of ``numel`` elements each;
-    ``rows[i]`` is the row of ``keys[i]``."""
+    """Reduced tensors: ``raw`` has one row per tensor (:class:`Observation`'s layout), of ``numel`` elements each
+    (or ``numel[r]`` for row ``r``); ``rows[i]`` is the row of ``keys[i]``."""
 
     keys: list[Key]
     rows: list[int]
-    numel: int
+    numel: int | list[int]
     raw: torch.Tensor
 
 
@@ -671,13 +690,13 @@ class StatBatch:
         if bucket is None:
             bucket = self.queued[where] = _Bucket(self._buffer(t.device, n), t.shape)
             self.pending += len(bucket.buffer)
-        bucket.slots[bucket.taken].copy_(t.detach())  # one pass; the matrix needs no stacking
+        bucket.slot().copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
         self.observations.setdefault(key, [])  # the key's place in call order
         self.last = (weakref.ref(t), version, bucket)
-        if bucket.taken == len(bucket.slots):
+        if bucket.taken == len(bucket.copies):
             self._reduce(where)
         elif self.pending >= PENDING_MAX:
             self.reduce_queued()
@@ -711,8 +730,14 @@ class StatBatch:
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
         if self.open:
-            for key, observation in zip(keys, observe_many(tensors), strict=True):
-                self.observations.setdefault(key, []).append(observation)
+            for key in keys:  # their places in call order
+                self.observations.setdefault(key, [])
+            groups, singles = _observed_groups(tensors)
+            for indices, raw in groups:  # kept whole: no tensor and no observation per row
+                numel = [tensors[i].numel() for i in indices]
+                self.blocks.append(Block([keys[i] for i in indices], list(range(len(indices))), numel, raw))
+            for i in singles:
+                self.observations[keys[i]].append(observe(tensors[i]))
             if histogram:
                 for key, t in zip(keys, tensors, strict=True):
                     self.samples.setdefault(key, []).append(sample(t))
@@ -809,11 +834,9 @@ class StatBatch:
         if not parts:
             return Fetched({}, {}, {})
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
-        found: dict[Key, State] = {}
-        offset = 0
-        for key in [*local, *shared]:
-            found[key] = State(*flat[offset : offset + WIDTH])
-            offset += WIDTH
+        offset = (len(local) + len(shared)) * WIDTH
+        fields = [iter(flat[:offset])] * WIDTH  # the same iterator WIDTH times: zip takes a state's values in turn
+        found = dict(zip([*local, *shared], map(State._make, zip(*fields, strict=True)), strict=True))
         width = 5 + self.bins
         hists: dict[Key, Histogram] = {}
         for key in hist_keys:
@@ -859,7 +882,11 @@ def _pooled(
         if len(kept) < len(at) or len(block.rows) > len(raw):
             raw = raw[[block.rows[j] for j in kept]]
         parts.append(raw if raw.device == device else raw.to(device))
-        counts += [float(block.numel)] * len(kept)
+        numel = block.numel
+        if isinstance(numel, int):
+            counts += [float(numel)] * len(kept)
+        else:
+            counts += [float(numel[block.rows[j]]) for j in kept]
         index += [at[j] for j in kept]
     tables = []
     if parts:

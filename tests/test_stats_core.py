@@ -402,9 +402,11 @@ def activation_ops(layers: int) -> Counter[str]:
 def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_reductions() -> None:
     few, many = activation_ops(50), activation_ops(400)
     copies = many - few
+    # row views are made in runs of 16, 16, 32, 64, ... rows: 3 runs for 50 rows, 6 for 400
+    assert copies.pop("aten::unbind") == copies.pop("aten::slice") == 3
     each = Counter({"aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row (a view made once)
     assert copies == Counter({op: 350 for op in each})
-    assert sum((few - Counter({op: 50 for op in each})).values()) <= 40  # reductions, pooling
+    assert sum((few - Counter({op: 50 for op in each})).values()) <= 48  # reductions, pooling, 3 runs of views
 
 
 def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
