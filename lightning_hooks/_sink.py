@@ -214,7 +214,7 @@ class TensorBoardBackend(Backend):
 
     def layout(self, logger: TensorBoardLogger, tags: Iterable[str], step: int) -> None:
         tags = list(tags)
-        if all(tag in self.layout_tags for tag in tags):
+        if self.layout_tags.keys() >= set(tags):  # every logging step asks; a set compares in C
             return
         self.layout_tags.update(dict.fromkeys(tags))
         layout = build_layout(self.layout_tags)
