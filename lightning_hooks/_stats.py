@@ -412,6 +412,12 @@ def derive_many(states: Sequence[State], stats: Sequence[str] = STATS) -> list[l
     """
     if not states:
         return []
+    rows = derived_table(states, stats).tolist()
+    return [row if s.numel else None for row, s in zip(rows, states, strict=True)]
+
+
+def derived_table(states: Sequence[State], stats: Sequence[str] = STATS) -> torch.Tensor:
+    """:func:`derive_many` as a float64 ``(len(states), len(stats))`` matrix (an empty state's row is NaN or 0)."""
     # Through an array of doubles: half the time of torch.tensor over the tuples (0.3 ms for 1,000 states).
     values = array.array("d", itertools.chain.from_iterable(states))
     table = torch.frombuffer(values, dtype=torch.float64).view(len(states), WIDTH)
@@ -426,8 +432,7 @@ def derive_many(states: Sequence[State], stats: Sequence[str] = STATS) -> list[l
         "zero_frac": 1.0 - nonzero / n,
         "nonfinite": nonfinite,
     }
-    rows = torch.stack([columns[name] for name in stats], dim=1).tolist()
-    return [row if s.numel else None for row, s in zip(rows, states, strict=True)]
+    return torch.stack([columns[name] for name in stats], dim=1)
 
 
 def abs_mean(state: State) -> float:

@@ -82,6 +82,34 @@ def test_nested_outputs_are_named_by_path(tmp_path: Path) -> None:
     assert not [t for t in tags if t.startswith("act_std")]
 
 
+class EmptyTail(torch.nn.Module):
+    """Returns its input and an empty slice of it."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x[:, :0]
+
+
+class WithEmptyOutput(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tail = EmptyTail()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept, _ = self.tail(self.fc1(x))
+        return self.head(self.act(self.fc2(self.act(kept))))
+
+
+def test_an_empty_output_gets_no_statistics_and_the_others_theirs(tmp_path: Path) -> None:
+    model = WithEmptyOutput()
+    expected = outputs_of(copy.deepcopy(model).fc1, model.x[:16])["root"][0].double()
+    make_trainer(tmp_path, [ActivationStats(log_every_n_steps=2)], max_steps=3).fit(model)
+    tags = events(tmp_path).Tags()["scalars"]
+    assert "act_mean/tail.out.0" in tags
+    assert not [t for t in tags if t.endswith("tail.out.1")]
+    assert scalars(tmp_path, "act_std/tail.out.0")[0] == pytest.approx(float(expected.std(correction=0)), rel=1e-5)
+    assert sorted(scalars(tmp_path, "act_abs_max/head")) == [0, 2]
+
+
 def test_histograms(tmp_path: Path) -> None:
     make_trainer(tmp_path, [ActivationStats(histograms=True, include=["fc1"])], max_steps=1).fit(TinyNet())
     histogram = events(tmp_path).Histograms("act/fc1")[0].histogram_value

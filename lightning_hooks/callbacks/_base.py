@@ -19,7 +19,7 @@ from lightning_hooks._gate import StepGate
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector, label
 from lightning_hooks._sink import Sink
-from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derive_many
+from lightning_hooks._stats import Across, Histogram, Key, StatBatch, State, derived_table
 from lightning_hooks.callbacks._dashboard import FIGURE_PERIOD_FACTOR, Dashboard
 
 if TYPE_CHECKING:
@@ -269,6 +269,8 @@ class StatsCallback(HookCallback):
         """Names of the selected modules whose recorder hooks ran in this fit."""
         self._fired_checked = False
         self._tag_cache: dict[tuple[str, str], list[str]] = {}
+        self._step_tags: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[str]] = {}
+        """The tags of a whole step's states, by prefix, keys and stats (a handful of entries)."""
 
     def _start_step(self) -> None:
         """A logging step begins (its first micro-batch)."""
@@ -294,7 +296,7 @@ class StatsCallback(HookCallback):
         self._batch.clear()
         self._fired.clear()
         self._fired_checked = False
-        self._tag_cache = {}
+        self._tag_cache, self._step_tags = {}, {}
         self._pending.clear()
         self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
@@ -381,9 +383,21 @@ class StatsCallback(HookCallback):
 
     def _metrics(self, prefix: str, states: dict[str, State], stats: Sequence[str]) -> dict[str, float]:
         """``{prefix}{stat}/{key}`` for each key and stat: tags made once per fit, statistics derived in one go."""
+        if not states:
+            return {}
+        table = derived_table(list(states.values()), stats)
+        keys = tuple(states)
+        if all(s.numel for s in states.values()):  # every step but odd ones: the step's tags, made once, in one zip
+            tags = self._step_tags.get((prefix, keys, tuple(stats)))
+            if tags is None:
+                if len(self._step_tags) >= 8:
+                    self._step_tags.clear()
+                tags = [tag for key in keys for tag in self._tags(prefix, key, stats)]
+                self._step_tags[prefix, keys, tuple(stats)] = tags
+            return dict(zip(tags, table.view(-1).tolist(), strict=True))
         metrics: dict[str, float] = {}
-        for key, values in zip(states, derive_many(list(states.values()), stats), strict=True):
-            if values is not None:
+        for key, values, s in zip(keys, table.tolist(), states.values(), strict=True):
+            if s.numel:  # an empty state has no statistics
                 metrics.update(zip(self._tags(prefix, key, stats), values, strict=True))
         return metrics
 
