@@ -52,6 +52,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from benchmarks.overhead import WORKLOADS, quiet  # noqa: E402
 from lightning_hooks import ActivationStats, GradStats, _gradients, _sink, _stats  # noqa: E402
+from lightning_hooks._handles import HookHandles  # noqa: E402
 from lightning_hooks._select import ModuleSelector  # noqa: E402
 
 PARTS = ("reductions", "events", "writer thread")
@@ -119,7 +120,8 @@ class Floor(pl.Callback):
     """What observing every module's outputs and output gradients costs at the least, for comparison.
 
     On logging steps, every module the two callbacks select gets, like theirs, two forward hooks
-    (one for the output, one that puts a tensor hook on it for its gradient), removed at the
+    (one for the output, one that puts a pre-hook on the autograd node that made it, for its
+    gradient), registered as theirs are (:meth:`HookHandles.add_forward_hooks`) and removed at the
     batch's end. ``sums=False``: the hooks do nothing else, which is torch's price for the hooks
     alone (registration, ``nn.Module.__call__``'s slow path, autograd calling Python). ``sums=True``:
     each takes one reduction of each tensor (its sum), brought to the host in one transfer: one
@@ -130,7 +132,7 @@ class Floor(pl.Callback):
     def __init__(self, every: int, sums: bool) -> None:
         self.every, self.sums = every, sums
         self.modules: list[torch.nn.Module] = []
-        self.handles: list[Any] = []
+        self.handles = HookHandles()
         self.taken: list[torch.Tensor] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -139,26 +141,24 @@ class Floor(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step % self.every:
             return
-        for module in self.modules:
-            self.handles.append(module.register_forward_hook(self.output))
-            self.handles.append(module.register_forward_hook(self.gradient))
+        self.handles.add_forward_hooks([(module, self.output) for module in self.modules])
+        self.handles.add_forward_hooks([(module, self.gradient) for module in self.modules])
 
     def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.sums and isinstance(output, torch.Tensor):
             self.taken.append(output.detach().sum())
 
     def gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self.read)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output.grad_fn.register_prehook(functools.partial(self.read, output.output_nr))
 
-    def read(self, grad: torch.Tensor) -> None:
-        if self.sums:
+    def read(self, index: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grads[index]
+        if self.sums and grad is not None:
             self.taken.append(grad.sum())
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self.handles.remove()
         if self.taken:
             torch.stack(self.taken).tolist()
             self.taken = []
