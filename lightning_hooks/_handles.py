@@ -40,11 +40,11 @@ class HookHandles:
     def add_forward_hooks(self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]]) -> None:
         """Register each ``(module, hook)`` as ``module.register_forward_hook(hook)`` would, under one handle.
 
-        ``register_forward_hook`` makes a ``RemovableHandle`` per hook: about 60,000 instructions to
-        register and remove one (callgrind), 40 M for the 700 modules of a 24-layer encoder, on every
-        logging step. Here one handle's id keys the hook in every module's forward-hook dict, the
-        dict torch's own registration writes to, and the handle's "extra" dicts, which its
-        ``remove()`` clears of that id too, are the other modules' dicts: a sixteenth of the cost.
+        ``register_forward_hook`` makes a ``RemovableHandle`` per hook: about 22,400 instructions to
+        register and remove one (callgrind, 300 ``Tanh`` modules), 15 M for the 684 hooks of a 24-layer
+        encoder's logging step. Here one handle's id keys the hook in every module's forward-hook dict,
+        the dict torch's own registration writes to, and the handle's "extra" dicts, which its
+        ``remove()`` clears of that id too, are the other modules' dicts: 7,100 a module.
         The hooks run, in order, exactly as registered ones. A module that registers its hooks its
         own way (a class that overrides ``register_forward_hook``) and a module given twice get
         theirs from ``register_forward_hook``.

@@ -593,12 +593,12 @@ class _Bucket:
 
 
 class Block(NamedTuple):
-    """Reduced tensors: ``raw`` has one row per tensor (:class:`Observation`'s layout), of ``numel`` elements each
-    (or ``numel[r]`` for row ``r``); ``rows[i]`` is the row of ``keys[i]``."""
+    """Reduced tensors: ``raw`` has one row per tensor (:class:`Observation`'s layout), row ``r`` of ``numel[r]``
+    elements; ``rows[i]`` is the row of ``keys[i]``."""
 
     keys: list[Key]
     rows: list[int]
-    numel: int | list[int]
+    numel: list[int]
     raw: torch.Tensor
 
 
@@ -720,7 +720,7 @@ class StatBatch:
         with torch.no_grad():
             reduce = observe_norms if self.lean else observe_rows
             raw = reduce(bucket.copies[:k].view(k, n), scratch[: k * n].view(k, n))
-        self.blocks.append(Block(bucket.keys, bucket.rows, n, raw))
+        self.blocks.append(Block(bucket.keys, bucket.rows, [n] * k, raw))
         if scratch.device.type == "cpu":  # done with them; on CUDA the caching allocator reuses memory anyway
             self.spare += [bucket.buffer, scratch]
 
@@ -887,11 +887,7 @@ def _pooled(
         if len(kept) < len(at) or len(block.rows) > len(raw):
             raw = raw[[block.rows[j] for j in kept]]
         parts.append(raw if raw.device == device else raw.to(device))
-        numel = block.numel
-        if isinstance(numel, int):
-            counts += [float(numel)] * len(kept)
-        else:
-            counts += [float(numel[block.rows[j]]) for j in kept]
+        counts += [float(block.numel[block.rows[j]]) for j in kept]
         index += [at[j] for j in kept]
     tables = []
     if parts:
