@@ -115,13 +115,21 @@ def test_a_tiny_spread_around_a_large_mean_keeps_its_precision() -> None:
     assert derive(state(t))["std"] == pytest.approx(reference(t)["std"], rel=1e-3)
 
 
-def test_histogram_matches_histc_and_skips_nonfinite() -> None:
-    t = seeded(5000, seed=4)
-    row = histogram(torch.cat([t, torch.tensor([float("nan"), float("inf")])]), 20).tolist()
-    lo, hi, num = row[:3]
-    assert (lo, hi) == (pytest.approx(float(t.min())), pytest.approx(float(t.max())))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nonfinite", [[], [math.nan, math.inf]], ids=["finite", "nan-inf"])
+def test_histogram_matches_histc_in_the_values_dtype_and_skips_nonfinite(
+    dtype: torch.dtype, nonfinite: list[float]
+) -> None:
+    t = seeded(5000, seed=4).to(dtype)
+    given = torch.cat([t, torch.tensor(nonfinite, dtype=dtype)])
+    row = histogram(given, 20).tolist()
+    lo, hi, num, total, squares = row[:5]
+    assert (lo, hi) == (float(t.min()), float(t.max()))
     assert num == 5000
-    assert row[5:] == torch.histc(t.double(), bins=20, min=lo, max=hi).tolist()
+    assert total == pytest.approx(float(t.double().sum()), rel=1e-5)
+    assert squares == pytest.approx(float(t.double().square().sum()), rel=1e-5)
+    assert row[5:] == torch.histc(t, bins=20, min=lo, max=hi).tolist()
+    assert torch.equal(given[:5000], t)  # the caller's values are left alone
 
 
 def fetch_histogram(calls: list[torch.Tensor], bins: int) -> tuple[list[float], list[float], float]:
