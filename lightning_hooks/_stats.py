@@ -500,10 +500,10 @@ def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
 
     Counted in ``x``'s dtype (float32 for every sample but a float64 tensor's), mostly in place: on
     the development VM an 8 x 16,384 matrix took 2.9 ms through a float64 copy and its temporaries
-    (fresh memory, a page fault per 4 KB), 0.46 ms in float32 in place. On CPU, where reading a value costs no transfer, rows known to hold
-    only finite values (their sum is finite) skip the masks that NaN and Inf need: ``isfinite`` and
-    ``where`` are the slowest passes here (2 ns per element against 0.1 to 0.5 for a sum or an
-    arithmetic op).
+    (fresh memory, a page fault per 4 KB), 0.46 ms in float32 in place. On CPU, where reading a
+    value costs no transfer, rows known to hold only finite values (their sum is finite) skip the
+    masks that NaN and Inf need: ``isfinite`` and ``where`` are the slowest passes here (2 ns per
+    element against 0.1 to 0.5 for a sum or an arithmetic op).
     """
     k, n = x.shape
     f64 = torch.float64
