@@ -58,6 +58,8 @@ class ActivationRecorder:
 class _ActivationHook:
     def __init__(self, recorder: ActivationRecorder, name: str, into: StatBatch | Pending) -> None:
         self.recorder, self.name, self.into = recorder, name, into
+        self.key = recorder.keys.key(name, "")
+        """The key of a bare tensor output."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
@@ -67,6 +69,10 @@ class _ActivationHook:
             into.fired.append(self.name)
         else:
             recorder.fired.add(self.name)
+        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+            if output.is_floating_point():
+                into.add(self.key, output, recorder.histograms)
+            return
         for path, tensor in named_tensors(output):
             if tensor.is_floating_point():
                 into.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)

@@ -82,6 +82,8 @@ class OutputGradRecorder:
 class _OutputGradHook:
     def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
         self.recorder, self.name = recorder, name
+        self.reader = _GradReader(recorder, recorder.keys.key(name, ""))
+        """The reader of a bare tensor output's gradient."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
@@ -89,14 +91,22 @@ class _OutputGradHook:
         self.recorder.fired.add(self.name)
         if not torch.is_grad_enabled():
             return
+        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+            if output.requires_grad and output.is_floating_point():
+                _read_grad(output, self.reader)
+            return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                reader = _GradReader(self.recorder, self.recorder.keys.key(self.name, path))
-                node = tensor.grad_fn
-                if node is None:  # a leaf returned as it is (a parameter)
-                    tensor.register_hook(reader)
-                else:  # the node that made the output, given its gradient: a third cheaper than a tensor hook
-                    node.register_prehook(_OutputOf(reader, tensor.output_nr))
+                _read_grad(tensor, _GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
+
+
+def _read_grad(output: torch.Tensor, reader: _GradReader) -> None:
+    """Have ``reader`` called with the gradient with respect to ``output`` in backward."""
+    node = output.grad_fn
+    if node is None:  # a leaf returned as it is (a parameter)
+        output.register_hook(reader)
+    else:  # the node that made the output, given its gradient: a third cheaper than a tensor hook
+        node.register_prehook(_OutputOf(reader, output.output_nr))
 
 
 class _GradReader:
