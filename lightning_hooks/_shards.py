@@ -21,8 +21,14 @@ def _dtensor_type() -> Any:
     return getattr(module, "DTensor", None)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Types no ``DTensor`` has: ``nn.Parameter(dtensor)`` is a ``DTensor`` marked as a parameter, not a ``Parameter``."""
+
+
 def is_sharded(t: object) -> bool:
     """Whether ``t`` is a ``DTensor`` (a tensor spread over processes)."""
+    if type(t) in _PLAIN:  # a tenth of the lookup below: asked of every parameter on a logging step
+        return False
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
