@@ -17,15 +17,14 @@ from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shards import counted_part, is_sharded
 from lightning_hooks._stats import (
-    FUSED_MAX,
+    Chunks,
     Key,
     OutputKeys,
     StatBatch,
     State,
+    chunks,
     flatten,
-    fused_chunks,
     segment_sum,
-    shape_chunks,
 )
 
 
@@ -286,10 +285,13 @@ class ParamGradRecorder:
             grads.append(counted_part(param.grad))
         if not read:
             return
+        # Unsharded, a gradient has its parameter's device, dtype and shape: one layout serves both.
+        layout = None if any(is_sharded(p) for _, p in read) else chunks([p for _, p in read])
         if self.observe:
-            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
+            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms, layout)
         if self.update_ratio:
-            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read, self.weight_norms)))
+            ratio = _UpdateRatio(self.batch, read, self.weight_norms, layout)
+            handles.add(optimizer.register_step_post_hook(ratio))
 
 
 class _UpdateRatio:
@@ -302,23 +304,30 @@ class _UpdateRatio:
     buffers; both a fixed number of operators however many parameters there are; larger ones one by one.
     """
 
-    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
+    def __init__(
+        self,
+        batch: StatBatch,
+        params: list[tuple[str, nn.Parameter]],
+        weight_norms: bool = False,
+        layout: Chunks | None = None,
+    ) -> None:
+        """``layout``: the :func:`~lightning_hooks._stats.chunks` of ``params``, if known (none is sharded)."""
         self.batch, self.weight_norms = batch, weight_norms
         # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
         self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
-        params = [(name, p) for name, p in params if not is_sharded(p)]
-        stacks, rest = shape_chunks([param for _, param in params])
+        if self.sharded:
+            params = [(name, p) for name, p in params if not is_sharded(p)]
+            layout = None
+        stacks, fused, singles = chunks([param for _, param in params]) if layout is None else layout
         self.stacked: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         with torch.no_grad():
             for part in stacks:
                 self.stacked.append(([params[i] for i in part], torch.stack([params[i][1] for i in part])))
-            params = [params[i] for i in rest]
-            tensors = [param for _, param in params]
-            for chunk in fused_chunks(tensors):
-                values, _ = flatten([tensors[i] for i in chunk])
-                self.before.append(([params[i] for i in chunk], values.clone() if len(chunk) == 1 else values))
-            self.large = [(name, p, p.clone()) for name, p in params if p.numel() > FUSED_MAX]
+            for part in fused:
+                values, _ = flatten([params[i][1] for i in part])
+                self.before.append(([params[i] for i in part], values.clone() if len(part) == 1 else values))
+            self.large = [(params[i][0], params[i][1], params[i][1].clone()) for i in singles]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         stacked, self.stacked = self.stacked, []  # the copies are freed as soon as the ratios are taken

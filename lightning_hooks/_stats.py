@@ -243,24 +243,46 @@ def observe_many(tensors: Sequence[torch.Tensor]) -> list[Observation]:
     return found
 
 
-def _observed_groups(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
-    """:func:`observe_many`'s matrices, and the tensors to observe one by one.
+class Chunks(NamedTuple):
+    """How :func:`observe_many` reduces a list of tensors, by index: see :func:`chunks`."""
+
+    stacks: list[list[int]]
+    """Tensors of one device, dtype and shape, to be stacked into a matrix (see :func:`shape_chunks`)."""
+    fused: list[list[int]]
+    """Other tensors of 1 to :data:`FUSED_MAX` elements, of one device and dtype, to be flattened into one buffer."""
+    singles: list[int]
+    """The rest but empty tensors: larger ones, reduced one by one."""
+
+
+def chunks(tensors: Sequence[torch.Tensor]) -> Chunks:
+    """The :class:`Chunks` of ``tensors``: they depend on each one's device, dtype and shape only, so a
+    parameter's serve for its gradient (which torch keeps of the same device, dtype and shape)."""
+    stacks, rest = shape_chunks(tensors)
+    fused = [[rest[j] for j in chunk] for chunk in fused_chunks([tensors[i] for i in rest])]
+    return Chunks(stacks, fused, [i for i in rest if tensors[i].numel() > FUSED_MAX])
+
+
+def _observed_groups(
+    tensors: Sequence[torch.Tensor], layout: Chunks | None = None
+) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    """:func:`observe_many`'s matrices, and the tensors to observe one by one (``layout``: their
+    :func:`chunks`, if known).
 
     ``(groups, singles)``: each group is ``(indices, raw)``, ``raw[j]`` the row of ``tensors[indices[j]]``;
     ``singles`` are the indices of the tensors of more than :data:`FUSED_MAX` elements that share no shape.
     Empty tensors are in neither.
     """
+    stacks, fused, singles = chunks(tensors) if layout is None else layout
     groups: list[tuple[list[int], torch.Tensor]] = []
-    stacks, rest = shape_chunks(tensors)
     with torch.no_grad():
         for part in stacks:
             n = tensors[part[0]].numel()
             # a new matrix (float32 already, or converted): observe_rows may overwrite it
             stacked = torch.stack([tensors[i] for i in part]).view(len(part), n)
             groups.append((part, observe_rows(stacked.to(torch.float32))))
-        for chunk in fused_chunks([tensors[i] for i in rest]):
-            groups.append(([rest[j] for j in chunk], _fused_raw([tensors[rest[j]] for j in chunk])))
-    return groups, [i for i in rest if tensors[i].numel() > FUSED_MAX]
+        for part in fused:
+            groups.append((part, _fused_raw([tensors[i] for i in part])))
+    return groups, singles
 
 
 def shape_chunks(tensors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -643,7 +665,8 @@ class StatBatch:
     open: bool = False
     observations: dict[Key, list[Observation]] = field(default_factory=dict)
     samples: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    extra: dict[Key, torch.Tensor] = field(default_factory=dict)
+    extra: list[tuple[Sequence[Key], torch.Tensor]] = field(default_factory=list)
+    """Scalars by key, a float64 vector of values per call of :meth:`add_scalars` (a later value of a key wins)."""
     vectors: dict[Key, torch.Tensor] = field(default_factory=dict)
     rows: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """States already computed (:func:`state_row`), pooled with the observations of their key."""
@@ -663,14 +686,15 @@ class StatBatch:
     ``abs_max`` and ``nonfinite`` from what it passes to :meth:`add` (larger tensors are observed in full)."""
 
     def __len__(self) -> int:
-        return len(self.observations) + len(self.samples) + len(self.extra) + len(self.vectors) + len(self.rows)
+        scalars = len(dict.fromkeys(k for keys, _ in self.extra for k in keys))
+        return len(self.observations) + len(self.samples) + scalars + len(self.vectors) + len(self.rows)
 
     def start(self) -> None:
         self.clear()
         self.open = True
 
     def clear(self) -> None:
-        self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, {}, {}, {}
+        self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, [], {}, {}
         self.queued, self.pending, self.blocks, self.last, self.spare = {}, 0, [], None, []
         self.open = False
 
@@ -758,12 +782,19 @@ class StatBatch:
             return self.spare.pop()
         return torch.empty(max(size, ROW_CHUNK), dtype=torch.float32, device=device)
 
-    def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
-        """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`)."""
+    def add_many(
+        self,
+        keys: Sequence[Key],
+        tensors: Sequence[torch.Tensor],
+        histogram: bool = False,
+        layout: Chunks | None = None,
+    ) -> None:
+        """:meth:`add` for each key and tensor, reduced with fused kernels (see :func:`observe_many`); ``layout``:
+        the tensors' :func:`chunks`, if known."""
         if self.open:
             for key in keys:  # their places in call order
                 self.observations.setdefault(key, [])
-            groups, singles = _observed_groups(tensors)
+            groups, singles = _observed_groups(tensors, layout)
             for indices, raw in groups:  # kept whole: no tensor and no observation per row
                 numel = [tensors[i].numel() for i in indices]
                 self.blocks.append(Block([keys[i] for i in indices], list(range(len(indices))), numel, raw))
@@ -782,13 +813,15 @@ class StatBatch:
                 self.samples.setdefault(key, []).append(sampled)
 
     def add_scalar(self, key: Key, value: torch.Tensor) -> None:
-        if self.open:
-            self.extra[key] = value.detach().double().reshape(1)
+        self.add_scalars([key], value)
 
     def add_scalars(self, keys: Sequence[Key], values: torch.Tensor) -> None:
-        """:meth:`add_scalar` for each key, from one vector of values."""
+        """:meth:`add_scalar` for each key, from one vector of values (kept whole: no tensor per key)."""
         if self.open:
-            self.extra.update(zip(keys, values.detach().double().reshape(-1, 1).unbind(0), strict=True))
+            values = values.detach().double().reshape(-1)
+            if len(values) != len(keys):
+                raise ValueError(f"{len(keys)} keys for {len(values)} values")
+            self.extra.append((keys, values))
 
     def add_vector(self, key: Key, values: torch.Tensor) -> None:
         """A vector under ``key`` (e.g. how often each unit of a layer fired), pooled by ``+`` with the key's
@@ -819,7 +852,11 @@ class StatBatch:
             next(
                 (
                     v.device
-                    for v in [*extra.values(), *vectors.values(), *(s[0] for s in [*samples.values(), *rows.values()])]
+                    for v in [
+                        *(v for _, v in extra),
+                        *vectors.values(),
+                        *(s[0] for s in [*samples.values(), *rows.values()]),
+                    ]
                 ),
                 torch.device("cpu"),
             ),
@@ -850,8 +887,9 @@ class StatBatch:
         if hist_keys:
             calls = [torch.cat(s) if len(s) > 1 else s[0] for s in samples.values()]
             parts.append(histograms([c.to(device) for c in calls], self.bins))
+        scalar_keys = [k for keys, _ in extra for k in keys]
         if extra:  # one part, not one per scalar: the update ratios are one per parameter
-            parts.append(torch.cat([v if v.device == device else v.to(device) for v in extra.values()]))
+            parts.append(torch.cat([v if v.device == device else v.to(device) for _, v in extra]))
         vector_keys = [(k, v.numel()) for k, v in vectors.items() if across is None or k[0] not in across.groups]
         parts.extend(vectors[k].to(device) for k, _ in vector_keys)
         if shared_vectors:
@@ -873,8 +911,8 @@ class StatBatch:
         for key in hist_keys:
             hists[key] = Histogram.from_row(flat[offset : offset + width])
             offset += width
-        scalars = dict(zip(extra, flat[offset : offset + len(extra)], strict=True))
-        offset += len(extra)
+        scalars = dict(zip(scalar_keys, flat[offset : offset + len(scalar_keys)], strict=True))
+        offset += len(scalar_keys)
         found_vectors: dict[Key, list[float]] = {}
         for key, size in vector_keys:
             found_vectors[key] = flat[offset : offset + size]
