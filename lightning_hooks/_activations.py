@@ -58,7 +58,7 @@ class ActivationRecorder:
 class _ActivationHook:
     def __init__(self, recorder: ActivationRecorder, name: str, into: StatBatch | Pending) -> None:
         self.recorder, self.name, self.into = recorder, name, into
-        self.key = recorder.keys.key(name, "")
+        self.key = recorder.keys.eager(name, "")
         """The key of a bare tensor output."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

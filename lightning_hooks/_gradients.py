@@ -81,7 +81,7 @@ class OutputGradRecorder:
 class _OutputGradHook:
     def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
         self.recorder, self.name = recorder, name
-        self.reader = _GradReader(recorder, recorder.keys.key(name, ""))
+        self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))
         """The reader of a bare tensor output's gradient."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -53,6 +53,10 @@ class OutputKeys:
     def key(self, module: str, path: str) -> Key:
         if torch.compiler.is_compiling():  # a constant of the graph; a lookup would guard on the cache's contents
             return (self.group, output_label(module, path))
+        return self.eager(module, path)
+
+    def eager(self, module: str, path: str) -> Key:
+        """:meth:`key` where no compiler traces the caller (attaching a hook): no compile check."""
         found = self._keys.get((module, path))
         if found is None:
             found = self._keys[module, path] = (self.group, output_label(module, path))
@@ -619,12 +623,15 @@ class _Bucket:
     """Float32 copies of tensors of one device and shape, the first ``taken`` rows of ``copies`` (a view of
     ``buffer``), waiting to be reduced together; ``rows[i]`` is the row of ``keys[i]``."""
 
-    __slots__ = ("buffer", "copies", "keys", "rows", "slots", "taken")
+    __slots__ = ("buffer", "capacity", "copies", "keys", "rows", "size", "slots", "taken")
 
     def __init__(self, buffer: torch.Tensor, shape: torch.Size) -> None:
         n = shape.numel()
         self.buffer = buffer
-        self.copies = buffer[: len(buffer) // n * n].view(-1, *shape)
+        self.size = buffer.numel()
+        self.capacity = self.size // n
+        """Rows in ``copies`` (ints kept: ``len()`` of a tensor is a Python-level call, asked at every copy)."""
+        self.copies = buffer[: self.capacity * n].view(-1, *shape)
         self.slots: list[torch.Tensor] = []
         """Views of the first rows, made by one operator for several (see :meth:`slot`)."""
         self.taken = 0
@@ -744,14 +751,14 @@ class StatBatch:
         bucket = self.queued.get(where)
         if bucket is None:
             bucket = self.queued[where] = _Bucket(self._buffer(t.device, n), t.shape)
-            self.pending += len(bucket.buffer)
+            self.pending += bucket.size
         bucket.slot().copy_(t.detach())  # one pass; the matrix needs no stacking
         bucket.keys.append(key)
         bucket.rows.append(bucket.taken)
         bucket.taken += 1
         self.observations.setdefault(key, [])  # the key's place in call order
         self.last = (weakref.ref(t), version, bucket)
-        if bucket.taken == len(bucket.copies):
+        if bucket.taken == bucket.capacity:
             self._reduce(where)
         elif self.pending >= PENDING_MAX:
             self.reduce_queued()
@@ -764,7 +771,7 @@ class StatBatch:
     def _reduce(self, where: tuple[torch.device, torch.Size]) -> None:
         bucket = self.queued.pop(where)
         k, n = bucket.taken, bucket.copies[0].numel()
-        self.pending -= len(bucket.buffer)
+        self.pending -= bucket.size
         self.last = None
         scratch = self._buffer(bucket.buffer.device, k * n)
         with torch.no_grad():
