@@ -41,9 +41,15 @@ class ActivationRecorder:
         self.batch, self.histograms = batch, histograms
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("act")
+        self._hooks: dict[str, _ActivationHook] = {}
+        """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        handles.add_forward_hooks([(module, _ActivationHook(self, name, self.batch)) for name, module in modules])
+        made = self._hooks
+        for name, _ in modules:
+            if name not in made:
+                made[name] = _ActivationHook(self, name, self.batch)
+        handles.add_forward_hooks([(module, made[name]) for name, module in modules])
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending

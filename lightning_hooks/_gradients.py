@@ -55,9 +55,15 @@ class OutputGradRecorder:
         self.batch, self.scaler = batch, scaler
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("out")
+        self._hooks: dict[str, _OutputGradHook] = {}
+        """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        handles.add_forward_hooks([(module, _OutputGradHook(self, name)) for name, module in modules])
+        made = self._hooks
+        for name, _ in modules:
+            if name not in made:
+                made[name] = _OutputGradHook(self, name)
+        handles.add_forward_hooks([(module, made[name]) for name, module in modules])
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
