@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import struct
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_hooks import ActivationStats, GradStats, ShapeLogger
-from lightning_hooks._events import CRecordWriter, checksum_in_c
+from lightning_hooks._events import CRecordWriter, ScalarSummaries, checksum_in_c
 from tests.helpers import Probe, TinyNet, make_trainer
 
 pytest.importorskip("google_crc32c", reason="the C CRC-32C comes from google-crc32c")
@@ -75,3 +77,19 @@ def test_only_the_writer_we_write_through_changes(tmp_path: Path) -> None:
     assert isinstance(ours.seen[0], RecordWriter)
     assert checksum_in_c(object()) is False  # a writer of another make is left alone
     other.close()
+
+
+# float32's extremes and rounding: beyond its range, just above its largest value, subnormal, flushed to zero
+AWKWARD = [0.0, -0.0, 1.5, -2.25e-3, 1 / 3, 1e39, -1e39, 3.4028235677973366e38, 1e-40, 1e-50, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("nan", [math.nan, -math.nan])
+def test_scalar_summaries_are_byte_for_byte_the_messages_setting_the_fields_gives(nan: float) -> None:
+    values = [*AWKWARD, nan]
+    # a tag of over 127 bytes has a two-byte length, and so has its value
+    tags = ["loss", "grad_norm/" + "layers.0." * 15 + "weight", "act_mean/ünïcode", *(f"t{i}" for i in range(10))]
+    expected = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values, strict=True)])
+    summaries, made = ScalarSummaries(tags), Summary()
+    summaries.fill([7.0] * len(tags), made)  # a first step; the next one reuses the bytes
+    summaries.fill(values, made)
+    assert made.SerializeToString() == expected.SerializeToString()
