@@ -937,38 +937,72 @@ def _pooled(
     """One state per key of ``keys``, on ``device`` (a key with nothing recorded is an empty state).
 
     The raw rows of every observation and reduced bucket are turned into states together: a
-    handful of operators for the step, not a handful per bucket.
+    handful of operators for the step, not a handful per bucket. When each key has one row, as on
+    most steps, one gather puts the rows in the keys' order and nothing needs pooling.
     """
     position = {key: i for i, key in enumerate(keys)}
-    listed = [(i, o) for i, key in enumerate(keys) for o in observations.get(key, ())]
-    parts: list[torch.Tensor] = []
+    index: list[int] = []
+    """For each raw row taken: the position of its key (a row may serve several keys, a key have several rows)."""
+    select: list[int] = []
+    """For each raw row taken: where it is in the matrices of ``raws`` end to end."""
     counts: list[float] = []
-    index = [i for i, _ in listed]
+    raws: list[torch.Tensor] = []
+    listed = []
+    for key, found in observations.items():  # most keys' observations are in blocks: their lists are empty
+        if found and key in position:
+            listed += [(position[key], o) for o in found]
     if listed:
         empty = torch.zeros(6, dtype=torch.float64, device=device)
-        raws = [empty if o.raw is None else o.raw if o.raw.device == device else o.raw.to(device) for _, o in listed]
-        parts.append(torch.stack(raws))
+        raws.append(
+            torch.stack(
+                [empty if o.raw is None else o.raw if o.raw.device == device else o.raw.to(device) for _, o in listed]
+            )
+        )
+        index += [i for i, _ in listed]
+        select += range(len(listed))
         counts += [float(o.numel) for _, o in listed]
+    base = len(listed)
     for block in blocks:  # a bucket's keys may belong to groups fetched apart, a row to several keys
         at = [position.get(key, -1) for key in block.keys]
-        kept = [j for j, i in enumerate(at) if i >= 0]
-        if not kept:
-            continue
         raw = block.raw
-        if len(kept) < len(at) or len(block.rows) > len(raw):
-            raw = raw[[block.rows[j] for j in kept]]
-        parts.append(raw if raw.device == device else raw.to(device))
-        counts += [float(block.numel[block.rows[j]]) for j in kept]
-        index += [at[j] for j in kept]
+        height = raw.shape[0]  # not len(): a Python-level call on a tensor
+        if -1 not in at and len(block.rows) == height:  # every row once, in order: the usual block
+            select += range(base, base + height)
+            counts += block.numel
+        else:
+            kept = [j for j, i in enumerate(at) if i >= 0]
+            if not kept:
+                continue
+            at = [at[j] for j in kept]
+            select += [base + block.rows[j] for j in kept]
+            counts += [block.numel[block.rows[j]] for j in kept]
+        index += at
+        raws.append(raw if raw.device == device else raw.to(device))
+        base += height
+    ready = [(position[key], r) for key, found in rows.items() if key in position for r in found]
+    n = len(keys)
+    if not raws and not ready:
+        return torch.zeros(n, WIDTH, dtype=torch.float64, device=device)
     tables = []
-    if parts:
+    if raws:
+        raw = torch.cat(raws) if len(raws) > 1 else raws[0]
         count = torch.tensor(counts, dtype=torch.float64, device=device)
-        tables.append(_state_table(count, torch.cat(parts) if len(parts) > 1 else parts[0]))
-    ready = [(i, r) for i, key in enumerate(keys) for r in rows.get(key, [])]
+        if not ready and len(index) == n and len(set(index)) == n:  # each key once: its row, in the keys' order
+            if index != list(range(n)):
+                at_key = torch.empty(n, dtype=torch.long, device=device)
+                at_key[torch.tensor(index, device=device)] = torch.arange(n, device=device)
+                count = count[at_key]
+                select_t = torch.tensor(select, device=device)[at_key]
+            elif select != list(range(base)):
+                select_t = torch.tensor(select, device=device)
+            else:
+                return _state_table(count, raw)
+            return _state_table(count, raw[select_t])
+        if select != list(range(base)):
+            raw = raw[torch.tensor(select, device=device)]
+        tables.append(_state_table(count, raw))
     if ready:
         tables.append(torch.stack([r.to(device) for _, r in ready]))
         index += [i for i, _ in ready]
-    table = torch.cat(tables) if tables else torch.zeros(0, WIDTH, dtype=torch.float64, device=device)
-    if index == list(range(len(keys))):
-        return table
-    return pool(table, torch.tensor(index, dtype=torch.long, device=device), len(keys))
+    table = torch.cat(tables) if len(tables) > 1 else tables[0]
+    return pool(table, torch.tensor(index, dtype=torch.long, device=device), n)
