@@ -103,6 +103,14 @@ def test_the_layout_is_written_again_when_new_tags_appear(tmp_path: Path) -> Non
     assert "grad_norm/late.weight" in events(tmp_path).Tags()["scalars"]
 
 
+def test_a_second_fit_with_a_new_logger_gets_the_layout_too(tmp_path: Path) -> None:
+    # The sink knows the tags from the first fit: a new run must still get its layout.
+    callback = GradStats(log_every_n_steps=1)
+    for run in ("first", "second"):
+        make_trainer(tmp_path / run, [callback], max_steps=2).fit(TinyNet())
+        assert [step for step, _ in layouts(tmp_path / run)] == [0]
+
+
 @pytest.mark.parametrize(
     ("log_every", "figure_every", "max_steps", "expected"),
     [(2, 4, 9, [0, 4, 8]), (1, None, 12, [0, 10]), (2, 2, 5, [0, 2, 4])],
