@@ -25,6 +25,7 @@ every sampled value is counted in the bucket that contains it.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import math
 import weakref
@@ -912,7 +913,9 @@ class StatBatch:
         flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
         offset = (len(local) + len(shared)) * WIDTH
         fields = [iter(flat[:offset])] * WIDTH  # the same iterator WIDTH times: zip takes a state's values in turn
-        found = dict(zip([*local, *shared], map(State._make, zip(*fields, strict=True)), strict=True))
+        # tuple.__new__ is what State._make calls, without its Python frame (each zip item has WIDTH values)
+        made = map(functools.partial(tuple.__new__, State), zip(*fields, strict=True))
+        found = dict(zip([*local, *shared], made, strict=True))
         width = 5 + self.bins
         hists: dict[Key, Histogram] = {}
         for key in hist_keys:
