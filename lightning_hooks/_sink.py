@@ -447,6 +447,15 @@ class Sink:
         self._laid_out: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
         """How many of ``tags`` each backend's layout was last given (tags are only ever added)."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_laid_out"]  # weak references do not pickle (DDP spawn pickles callbacks): a copy lays out anew
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._laid_out = weakref.WeakKeyDictionary()
+
     def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
         return [(logger, backend(logger)) for logger in trainer.loggers]
 
