@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hooks._autograd import in_backward
 from lightning_hooks._compiled import Pending, Region, Switched
-from lightning_hooks._handles import HookHandles
+from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._stats import OutputKeys, StatBatch
 
@@ -45,11 +45,8 @@ class ActivationRecorder:
         """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        made = self._hooks
-        for name, _ in modules:
-            if name not in made:
-                made[name] = _ActivationHook(self, name, self.batch)
-        handles.add_forward_hooks([(module, made[name]) for name, module in modules])
+        hooks = made_once(self._hooks, modules, lambda name: _ActivationHook(self, name, self.batch))
+        handles.add_forward_hooks(hooks)
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending

@@ -13,7 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hooks._autograd import in_backward, loss_scale
 from lightning_hooks._compiled import Pending, Region, Switched
-from lightning_hooks._handles import HookHandles
+from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import named_tensors
 from lightning_hooks._shards import counted_part, is_sharded
 from lightning_hooks._stats import (
@@ -59,11 +59,8 @@ class OutputGradRecorder:
         """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        made = self._hooks
-        for name, _ in modules:
-            if name not in made:
-                made[name] = _OutputGradHook(self, name)
-        handles.add_forward_hooks([(module, made[name]) for name, module in modules])
+        hooks = made_once(self._hooks, modules, lambda name: _OutputGradHook(self, name))
+        handles.add_forward_hooks(hooks)
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending

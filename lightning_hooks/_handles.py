@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -90,3 +90,18 @@ class HookHandles:
         # Handles point at hook dicts of live modules through weak references; a copy of the
         # owner that travels to another process (ddp_spawn, checkpoint) must not carry them.
         return {"_handles": []}
+
+
+Hook = TypeVar("Hook")
+
+
+def made_once(
+    made: dict[str, Hook], modules: Sequence[tuple[str, nn.Module]], make: Callable[[str], Hook]
+) -> list[tuple[nn.Module, Hook]]:
+    """``(module, hook)`` for each named module, the hook made by ``make(name)`` the first time a name comes and
+    kept in ``made``: a recorder attaches the same hook objects at every logging step (making them cost about
+    3,000 instructions a module)."""
+    for name, _ in modules:
+        if name not in made:
+            made[name] = make(name)
+    return [(module, made[name]) for name, module in modules]

@@ -830,8 +830,8 @@ class StatBatch:
         """:meth:`add_scalar` for each key, from one vector of values (kept whole: no tensor per key)."""
         if self.open:
             values = values.detach().double().reshape(-1)
-            if len(values) != len(keys):
-                raise ValueError(f"{len(keys)} keys for {len(values)} values")
+            if values.numel() != len(keys):  # numel: len() of a tensor is a Python-level call
+                raise ValueError(f"{len(keys)} keys for {values.numel()} values")
             self.extra.append((keys, values))
 
     def add_vector(self, key: Key, values: torch.Tensor) -> None:
