@@ -86,6 +86,8 @@ class _OutputGradHook:
         self.recorder, self.name = recorder, name
         self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))
         """The reader of a bare tensor output's gradient."""
+        self.first = _OutputOf(self.reader, 0)
+        """Its pre-hook on the node that made it, when the output is that node's first (as nearly always)."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if in_backward():  # activation checkpointing re-running forward
@@ -95,7 +97,11 @@ class _OutputGradHook:
             return
         if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
             if output.requires_grad and output.is_floating_point():
-                _read_grad(output, self.reader)
+                node = output.grad_fn
+                if node is not None and output.output_nr == 0:
+                    node.register_prehook(self.first)
+                else:
+                    _read_grad(output, self.reader)
             return
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():

@@ -486,7 +486,8 @@ class Sink:
     @rank_zero_only
     def log_step(self, trainer: pl.Trainer, data: StepData) -> None:
         """Send one logging step to every logger, one write each (a ``log`` call, an event, a batch)."""
-        self.tags.update(dict.fromkeys(data.scalars))
+        if not self.tags.keys() >= data.scalars.keys():  # the same tags at every step: a lookup each, no new dict
+            self.tags.update(dict.fromkeys(data.scalars))
         backends = self._backends(trainer)
         self._warn_unshown(backends, data.kinds())
         for logger, found in backends:

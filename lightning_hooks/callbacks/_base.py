@@ -388,18 +388,23 @@ class StatsCallback(HookCallback):
         table = derived_table(list(states.values()), stats)
         keys = tuple(states)
         if all(s.numel for s in states.values()):  # every step but odd ones: the step's tags, made once, in one zip
-            tags = self._step_tags.get((prefix, keys, tuple(stats)))
-            if tags is None:
-                if len(self._step_tags) >= 8:
-                    self._step_tags.clear()
-                tags = [tag for key in keys for tag in self._tags(prefix, key, stats)]
-                self._step_tags[prefix, keys, tuple(stats)] = tags
-            return dict(zip(tags, table.view(-1).tolist(), strict=True))
+            return dict(zip(self._step_tags_of(prefix, keys, stats), table.view(-1).tolist(), strict=True))
         metrics: dict[str, float] = {}
         for key, values, s in zip(keys, table.tolist(), states.values(), strict=True):
             if s.numel:  # an empty state has no statistics
                 metrics.update(zip(self._tags(prefix, key, stats), values, strict=True))
         return metrics
+
+    def _step_tags_of(self, prefix: str, keys: tuple[str, ...], stats: Sequence[str] = ("",)) -> list[str]:
+        """:meth:`_tags` of each of ``keys`` end to end: the tags of a whole step's values, made once per fit (a
+        callback logs the same keys at every logging step)."""
+        tags = self._step_tags.get((prefix, keys, tuple(stats)))
+        if tags is None:
+            if len(self._step_tags) >= 8:
+                self._step_tags.clear()
+            tags = [tag for key in keys for tag in self._tags(prefix, key, stats)]
+            self._step_tags[prefix, keys, tuple(stats)] = tags
+        return tags
 
     def _tags(self, prefix: str, key: str, stats: Sequence[str] = ("",)) -> list[str]:
         """``{prefix}{stat}/{key}`` for each stat (``{prefix}{key}`` by default), made once per fit."""

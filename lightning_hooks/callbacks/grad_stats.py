@@ -202,10 +202,12 @@ class GradStats(StatsCallback):
         metrics: dict[str, float] = {}
         if params:
             metrics["grad_norm_total"] = norm_total(params.values())
-        ratios = {name: value for (_, name), value in fetched.scalars.items()}
+        # The ratios of unsharded parameters, the same names at every step: their tags made once, in one zip.
+        names = tuple(name for _, name in fetched.scalars)
+        metrics.update(zip(self._step_tags_of("update_ratio/", names), fetched.scalars.values(), strict=True))
         weights = grouped.get("weight", {})
-        ratios.update({name: update_ratio(s, weights[name]) for name, s in grouped.get("update", {}).items()})
-        metrics.update({self._tags("update_ratio/", name)[0]: value for name, value in ratios.items()})
+        for name, s in grouped.get("update", {}).items():  # sharded parameters' (FSDP2)
+            metrics[self._tags("update_ratio/", name)[0]] = update_ratio(s, weights[name])
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
         metrics.update(self._metrics("out_grad_", outputs, out_stats))
         self._sink.scalars(trainer, metrics, step)
