@@ -10,12 +10,14 @@ does not write through keeps TensorBoard's own code.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from tensorboard.compat.proto.summary_pb2 import Summary
+from numpy.typing import NDArray
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c as python_crc32c
 from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -106,3 +108,73 @@ class ScalarSummaries:
         with np.errstate(over="ignore"):  # a double beyond float32's range is an infinity, as in the message
             data[self.index] = np.fromiter(values, dtype="<f4", count=self.size).view(np.uint8)
         into.ParseFromString(data.tobytes())
+
+
+_HISTOGRAM_NUMBERS = ("min", "max", "num", "sum", "sum_squares")
+
+
+def _histogram_record(bins: int) -> np.dtype[Any]:
+    """A serialised ``HistogramProto`` of ``bins`` buckets whose fields are all non-zero, as a packed numpy record:
+    each field's key byte (and, for the two packed repeated fields, the varint length after it), then its
+    doubles, in field order."""
+    head = len(HistogramProto(bucket=[1.0] * bins).SerializeToString()) - 8 * bins
+    fields: list[tuple[Any, ...]] = []
+    for name in _HISTOGRAM_NUMBERS:
+        fields += [(f"{name}_key", "u1"), (name, "<f8")]
+    for name in ("limits", "counts"):
+        fields += [(f"{name}_key", "u1", (head,)), (name, "<f8", (bins,))]
+    return np.dtype(fields)
+
+
+class HistogramSummaries:
+    """``Summary`` messages of one histogram per tag, for a fixed list of tags and number of buckets, made from bytes.
+
+    Setting a ``HistogramProto`` field by field (two lists of 64 floats extended into repeated
+    fields) cost about 25,000 instructions a histogram, 30 M for the 1,200 histograms of an
+    encoder's logging step. A histogram whose five numbers and ``2 * bins`` doubles are all set
+    serialises to the same length whatever they are: its bytes are laid out as a numpy record
+    (:func:`_histogram_record`, checked against the serialisation of one histogram when made), so
+    the histograms of a step are written as columns of an array of records, each put after the
+    bytes of its tag, and parsed. A field that is zero is then present in the bytes, which parsing
+    accepts; a message parsed that way serialises as one whose fields were set (zeros left out),
+    byte for byte (tested).
+
+    Example::
+
+        >>> summary = Summary()
+        >>> HistogramSummaries(["w"], 2).fill(np.array([[0.0, 2.0, 3.0, 2.5, 4.25, 2.0, 1.0]]), summary)
+        >>> list(summary.value[0].histo.bucket_limit), list(summary.value[0].histo.bucket)
+        ([1.0, 2.0], [2.0, 1.0])
+    """
+
+    def __init__(self, tags: Sequence[str], bins: int) -> None:
+        self.bins = bins
+        self.record = _histogram_record(bins)
+        probe = HistogramProto(bucket_limit=[6.0] * bins, bucket=[7.0] * bins)
+        for value, name in enumerate(_HISTOGRAM_NUMBERS, 1):
+            setattr(probe, name, float(value))
+        self.empty = np.frombuffer(probe.SerializeToString(), dtype=self.record).copy()
+        """The keys and lengths of a record (its doubles are written over at each step)."""
+        read = [float(self.empty[name][0]) for name in _HISTOGRAM_NUMBERS]
+        if read != [1.0, 2.0, 3.0, 4.0, 5.0] or {*self.empty["limits"][0], *self.empty["counts"][0]} != {6.0, 7.0}:
+            raise ValueError("a HistogramProto does not serialise as the record laid out for it")  # pragma: no cover
+        size = self.record.itemsize
+        self.heads = [Summary(value=[Summary.Value(tag=tag, histo=probe)]).SerializeToString()[:-size] for tag in tags]
+        """Each tag's bytes before its histogram's: the value's key and length, the tag, the histogram's key and
+        length."""
+
+    def fill(self, rows: NDArray[np.float64], into: Summary) -> None:
+        """Make ``into`` the summary of ``rows``, one :class:`~lightning_hooks._stats.Histogram` row per tag, in order
+        (``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]``), replacing what it held."""
+        records = np.repeat(self.empty, len(rows))
+        lo, hi = rows[:, 0:1], rows[:, 1:2]
+        for i, name in enumerate(_HISTOGRAM_NUMBERS):
+            records[name] = rows[:, i]
+        with np.errstate(invalid="ignore", over="ignore"):  # infinite ends: the width is not used
+            width = np.where(hi > lo, (hi - lo) / self.bins, 1e-12)
+            # The right edge of each bucket, as Histogram.bucket_limits computes it one value at a time.
+            records["limits"] = lo + width * np.arange(1, self.bins + 1)
+        records["counts"] = rows[:, 5:]
+        blob, size = memoryview(records.tobytes()), self.record.itemsize
+        histos = (blob[i * size : (i + 1) * size] for i in range(len(rows)))
+        into.ParseFromString(b"".join(itertools.chain.from_iterable(zip(self.heads, histos, strict=True))))

@@ -31,7 +31,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.summary import text as text_summary
 
-from lightning_hooks._events import ScalarSummaries, checksum_in_c
+from lightning_hooks._events import HistogramSummaries, ScalarSummaries, checksum_in_c
 from lightning_hooks._layout import build_layout
 from lightning_hooks._stats import Histogram
 from lightning_hooks._tables import Cell, Table
@@ -135,6 +135,8 @@ class TensorBoardBackend(Backend):
         """Every scalar tag a sink has put in this run's custom-scalars layout, in logging order."""
         self.summaries: dict[tuple[str, ...], ScalarSummaries] = {}
         """The scalar summaries of each list of tags written, made from bytes at the next step with the same tags."""
+        self.histogram_summaries: dict[tuple[str, ...], HistogramSummaries] = {}
+        """The same for the histograms' tags."""
 
     @staticmethod
     def checksum_in_c(logger: TensorBoardLogger) -> None:
@@ -169,14 +171,16 @@ class TensorBoardBackend(Backend):
         files = writer._get_file_writer() if hasattr(writer, "_get_file_writer") else None
         if data.histograms and files is not None:
             # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
+            # Made from bytes, like the scalars' summary (see HistogramSummaries).
+            rows = np.stack([hist.row for hist in data.histograms.values()]).astype(np.float64, copy=False)
+            tags = tuple(data.histograms)
+            histograms = self.histogram_summaries.get(tags)
+            if histograms is None or histograms.bins != rows.shape[1] - 5:
+                if len(self.histogram_summaries) >= _EVENTS_KEPT:
+                    self.histogram_summaries.clear()
+                histograms = self.histogram_summaries[tags] = HistogramSummaries(tags, rows.shape[1] - 5)
             event = Event()
-            add = event.summary.value.add
-            for tag, hist in data.histograms.items():
-                histo = add(tag=tag).histo
-                histo.min, histo.max, histo.num = hist.min, hist.max, hist.num
-                histo.sum, histo.sum_squares = hist.sum, hist.sum_squares
-                histo.bucket_limit.extend(hist.bucket_limits)
-                histo.bucket.extend(hist.bucket_counts)
+            histograms.fill(rows, event.summary)
             files.add_event(event, data.step)
         else:
             for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
@@ -354,7 +358,7 @@ class MLflowBackend(Backend):
             step, held = self.histograms
             if step != data.step:
                 held = {}
-            held.update({tag: dataclasses.asdict(hist) for tag, hist in data.histograms.items()})
+            held.update({tag: hist.as_dict() for tag, hist in data.histograms.items()})
             self.histograms = (data.step, held)
             client.log_dict(run_id, {"step": data.step, "histograms": held}, f"histograms/step_{data.step}.json")
         for tag, text in data.markdown().items():
@@ -551,9 +555,10 @@ class Sink:
             found.flush(logger)
 
     @rank_zero_only
-    def histogram(self, trainer: pl.Trainer, tag: str, hist: Histogram, step: int) -> None:
-        """A histogram counted on device (see :func:`lightning_hooks._stats.histogram`)."""
-        self._send(trainer, StepData(step, histograms={tag: hist}))
+    def histograms(self, trainer: pl.Trainer, hists: dict[str, Histogram], step: int) -> None:
+        """Histograms counted on device (see :func:`lightning_hooks._stats.histogram`), by tag."""
+        if hists:
+            self._send(trainer, StepData(step, histograms=hists))
 
     def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
         """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures.

@@ -31,11 +31,17 @@ import struct
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import torch
 
 from lightning_hooks._select import output_label
+
+if TYPE_CHECKING:  # the host arrays of a fetch are numpy's (``Tensor.numpy()``); nothing here imports numpy
+    import numpy as np
+    from numpy.typing import NDArray
+
+    Row: TypeAlias = Sequence[float] | NDArray[np.float64]
 
 STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
 """Every statistic a state can give."""
@@ -505,6 +511,13 @@ def histograms(values: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
     matrices of one dtype reuse one buffer: fresh memory costs a page fault per 4 KB on CPU."""
     if not values:
         return torch.zeros(0, 5 + bins, dtype=torch.float64)
+    first: dict[int, int] = {}
+    """Each distinct tensor's position among them: a tensor given several times (one sample of an output that
+    several modules return) is counted once."""
+    at = [first.setdefault(id(v), len(first)) for v in values]
+    if len(first) < len(values):
+        distinct = list({id(v): v for v in values}.values())
+        return histograms(distinct, bins)[torch.tensor(at, device=distinct[0].device)]
     by_length: dict[tuple[int, torch.dtype], list[int]] = {}
     for i, v in enumerate(values):
         by_length.setdefault((v.numel(), v.dtype), []).append(i)
@@ -577,24 +590,61 @@ def _histogram_table(
     return torch.cat([ends[:, :2], num, ends[:, 2:], counts.to(torch.float64)], 1)
 
 
-@dataclass
+class _RowField:
+    """A number of a :class:`Histogram`, read from its row where it is."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __get__(self, hist: Histogram, owner: type | None = None) -> float:
+        return float(hist.row[self.index])
+
+
 class Histogram:
-    """What TensorBoard's ``add_histogram_raw`` takes."""
+    """One key's histogram on the host, read as TensorBoard's ``add_histogram_raw`` takes it.
 
-    min: float
-    max: float
-    num: float
-    sum: float
-    sum_squares: float
-    bucket_limits: list[float]
-    bucket_counts: list[float]
+    ``row`` is what :func:`histogram` makes, ``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]``:
+    a row of the float64 array that :meth:`StatBatch.fetch` brings to the host, viewed, not copied
+    (a writer can take the rows of a whole step as one array: see
+    :class:`~lightning_hooks._events.HistogramSummaries`), or any sequence of floats. The fields are
+    read from it on demand.
 
-    @classmethod
-    def from_row(cls, row: Sequence[float]) -> Histogram:
-        lo, hi, num, total, squares = row[:5]
-        counts = list(row[5:])
-        width = (hi - lo) / len(counts) if hi > lo else 1e-12
-        return cls(lo, hi, num, total, squares, [lo + width * (i + 1) for i in range(len(counts))], counts)
+    Example::
+
+        >>> hist = Histogram([0.0, 2.0, 3.0, 2.5, 4.25, 2.0, 1.0])
+        >>> hist.num, hist.bucket_limits, hist.bucket_counts
+        (3.0, [1.0, 2.0], [2.0, 1.0])
+    """
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: Row) -> None:
+        self.row = row
+
+    min, max, num, sum, sum_squares = (_RowField(i) for i in range(5))
+
+    @property
+    def bucket_counts(self) -> list[float]:
+        return [float(count) for count in self.row[5:]]
+
+    @property
+    def bucket_limits(self) -> list[float]:
+        """The right edge of each bucket: ``bins`` equal buckets from ``min`` to ``max``."""
+        lo, hi, bins = self.min, self.max, len(self.row) - 5
+        width = (hi - lo) / bins if hi > lo else 1e-12
+        return [lo + width * (i + 1) for i in range(bins)]
+
+    def as_dict(self) -> dict[str, float | list[float]]:
+        """The fields by name (what a JSON file of histograms holds)."""
+        return {
+            "min": self.min,
+            "max": self.max,
+            "num": self.num,
+            "sum": self.sum,
+            "sum_squares": self.sum_squares,
+            "bucket_limits": self.bucket_limits,
+            "bucket_counts": self.bucket_counts,
+        }
 
 
 class Across(NamedTuple):
@@ -690,6 +740,8 @@ class StatBatch:
     last: tuple[weakref.ref[torch.Tensor], int | None, _Bucket | Observation] | None = None
     """The tensor taken last (weakly: it is not kept alive), its version, and where it went (until its bucket is
     reduced)."""
+    last_sample: torch.Tensor | None = None
+    """The histogram sample of the tensor taken last, if one was taken."""
     spare: list[torch.Tensor] = field(default_factory=list)
     """CPU buffers of :data:`ROW_CHUNK` elements that reduced buckets gave back, for the next ones."""
     lean: bool = False
@@ -707,6 +759,7 @@ class StatBatch:
     def clear(self) -> None:
         self.observations, self.samples, self.extra, self.vectors, self.rows = {}, {}, [], {}, {}
         self.queued, self.pending, self.blocks, self.last, self.spare = {}, 0, [], None, []
+        self.last_sample = None
         self.open = False
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
@@ -741,8 +794,12 @@ class StatBatch:
                 self.observations[key].append(last[2])
         else:
             self._take(key, t, version)
+            self.last_sample = None
         if histogram:
-            self.samples.setdefault(key, []).append(sample(t))
+            taken = self.last_sample
+            if taken is None:  # a shared tensor shares its sample too: :func:`histograms` counts it once
+                taken = self.last_sample = sample(t)
+            self.samples.setdefault(key, []).append(taken)
 
     def _take(self, key: Key, t: torch.Tensor, version: int | None) -> None:
         n = t.numel()
@@ -913,22 +970,24 @@ class StatBatch:
             vector_keys += shared_vectors
         if not parts:
             return Fetched({}, {}, {})
-        flat = torch.cat([p.flatten() for p in parts]).tolist()  # the one host transfer
+        # The one host transfer, read as a float64 array (a view of the host copy): the histograms stay rows of it,
+        # and only the other values become Python floats (a Python float for each count of 1,200 histograms
+        # of an encoder's step cost more than everything else in the step's host work).
+        host = torch.cat([p.flatten() for p in parts]).detach().cpu().numpy()
         offset = (len(local) + len(shared)) * WIDTH
-        fields = [iter(flat[:offset])] * WIDTH  # the same iterator WIDTH times: zip takes a state's values in turn
+        fields = [iter(host[:offset].tolist())] * WIDTH  # the same iterator WIDTH times: zip takes a state's values
         # tuple.__new__ is what State._make calls, without its Python frame (each zip item has WIDTH values)
         made = map(functools.partial(tuple.__new__, State), zip(*fields, strict=True))
         found = dict(zip([*local, *shared], made, strict=True))
-        width = 5 + self.bins
-        hists: dict[Key, Histogram] = {}
-        for key in hist_keys:
-            hists[key] = Histogram.from_row(flat[offset : offset + width])
-            offset += width
-        scalars = dict(zip(scalar_keys, flat[offset : offset + len(scalar_keys)], strict=True))
-        offset += len(scalar_keys)
+        size = len(hist_keys) * (5 + self.bins)
+        hist_rows = host[offset : offset + size].reshape(len(hist_keys), 5 + self.bins)
+        hists = dict(zip(hist_keys, map(Histogram, hist_rows), strict=True))
+        rest = host[offset + size :].tolist()
+        scalars = dict(zip(scalar_keys, rest[: len(scalar_keys)], strict=True))
+        offset = len(scalar_keys)
         found_vectors: dict[Key, list[float]] = {}
         for key, size in vector_keys:
-            found_vectors[key] = flat[offset : offset + size]
+            found_vectors[key] = rest[offset : offset + size]
             offset += size
         return Fetched(found, hists, scalars, found_vectors)
 

@@ -8,15 +8,17 @@ import struct
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_hooks import ActivationStats, GradStats, ShapeLogger
-from lightning_hooks._events import CRecordWriter, ScalarSummaries, checksum_in_c
+from lightning_hooks._events import CRecordWriter, HistogramSummaries, ScalarSummaries, checksum_in_c
+from lightning_hooks._stats import Histogram
 from tests.helpers import Probe, TinyNet, make_trainer
 
 pytest.importorskip("google_crc32c", reason="the C CRC-32C comes from google-crc32c")
@@ -92,4 +94,29 @@ def test_scalar_summaries_are_byte_for_byte_the_messages_setting_the_fields_give
     summaries, made = ScalarSummaries(tags), Summary()
     summaries.fill([7.0] * len(tags), made)  # a first step; the next one reuses the bytes
     summaries.fill(values, made)
+    assert made.SerializeToString() == expected.SerializeToString()
+
+
+def set_field_by_field(tag: str, hist: Histogram) -> Summary.Value:
+    """The value TensorBoard's ``add_histogram_raw`` makes of a histogram, its fields set one by one."""
+    histo = HistogramProto(min=hist.min, max=hist.max, num=hist.num, sum=hist.sum, sum_squares=hist.sum_squares)
+    histo.bucket_limit.extend(hist.bucket_limits)
+    histo.bucket.extend(hist.bucket_counts)
+    return Summary.Value(tag=tag, histo=histo)
+
+
+# 15 buckets: the packed fields' lengths (120 bytes) take one byte; 16 (128) two, as 64 do
+@pytest.mark.parametrize("bins", [1, 15, 16, 64])
+def test_histogram_summaries_are_byte_for_byte_the_messages_setting_the_fields_gives(bins: int) -> None:
+    rng = np.random.default_rng(bins)
+    ends = [(-1.5, 2.0), (0.0, 0.0), (-0.0, 3.0), (1e-40, 1e39), (math.inf, -math.inf), (2.0, math.nan)]
+    rows = []
+    for i, (lo, hi) in enumerate(ends):  # with a zero anywhere a field is left out of the set message
+        counts = rng.integers(0, 3, bins).astype(float) * (i % 2)
+        rows.append([lo, hi, counts.sum(), rng.normal() * (i % 3), abs(rng.normal()) * (i % 2), *counts])
+    tags = ["w", "layers.0." * 15 + "weight", "act/ünïcode", "x", "y", "z"]
+    expected = Summary(value=[set_field_by_field(t, Histogram(r)) for t, r in zip(tags, rows, strict=True)])
+    summaries, made = HistogramSummaries(tags, bins), Summary()
+    summaries.fill(np.full((len(tags), 5 + bins), 7.0), made)  # a first step; the next one reuses the bytes
+    summaries.fill(np.array(rows), made)
     assert made.SerializeToString() == expected.SerializeToString()

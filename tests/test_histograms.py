@@ -66,3 +66,36 @@ def test_a_step_of_three_micro_batches(tmp_path: Path) -> None:
     x = base + torch.arange(3).repeat_interleave(8).unsqueeze(1) * 10  # micro-batch i in [10 i, 10 i + 1)
     hist = logged_histogram(tmp_path, Watched(x, batch_size=8, twice=False), accumulate_grad_batches=3)
     assert_counts_every_value(hist, x)
+
+
+class Shared(pl.LightningModule):
+    """``block`` returns what its one child returns: the same tensor, two modules' output."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.block, self.x = nn.Sequential(nn.Linear(4, 4)), x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.block(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x), batch_size=len(self.x))
+
+
+def test_an_output_two_modules_return_gets_its_histogram_under_both_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Shared(torch.randn(32, 4))
+    with torch.no_grad():
+        values = model.block(model.x)  # what the one step sees (weights before it)
+    stats = ActivationStats(log_every_n_steps=1, include=["block", "block.0"], histograms=True)
+    make_trainer(tmp_path, [stats], max_steps=1).fit(model)
+    read = events(tmp_path)
+    (outer,), (inner,) = read.Histograms("act/block"), read.Histograms("act/block.0")
+    assert outer.histogram_value == inner.histogram_value
+    hist = outer.histogram_value
+    assert_counts_every_value(hist, values)
+    width = (hist.max - hist.min) / len(hist.bucket)
+    assert list(hist.bucket_limit) == [hist.min + width * (i + 1) for i in range(len(hist.bucket))]

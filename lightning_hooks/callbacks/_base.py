@@ -413,7 +413,9 @@ class StatsCallback(HookCallback):
             found = self._tag_cache[prefix, key] = [f"{prefix}{stat}/{key}" if stat else prefix + key for stat in stats]
         return found
 
-    def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[str, Histogram], step: int) -> None:
-        for key, hist in hists.items():
-            if hist.num:
-                self._sink.histogram(trainer, f"{prefix}{key}", hist, step)
+    def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[Key, Histogram], step: int) -> None:
+        """``{prefix}{name}`` for each key's histogram that counted something, sent together."""
+        kept = {name: hist for (_, name), hist in hists.items() if hist.num}
+        if kept:
+            tags = self._step_tags_of(prefix, tuple(kept))
+            self._sink.histograms(trainer, dict(zip(tags, kept.values(), strict=True)), step)

@@ -109,4 +109,4 @@ class ActivationStats(StatsCallback):
         self._check_fired(trainer, step)
         fetched = self._batch.fetch(self._across(trainer, {"act"}))
         self._log_states(trainer, "act_", {name: state for (_, name), state in fetched.states.items()}, step)
-        self._log_histograms(trainer, "act/", {name: h for (_, name), h in fetched.histograms.items()}, step)
+        self._log_histograms(trainer, "act/", fetched.histograms, step)

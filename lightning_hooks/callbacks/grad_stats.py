@@ -211,4 +211,4 @@ class GradStats(StatsCallback):
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
         metrics.update(self._metrics("out_grad_", outputs, out_stats))
         self._sink.scalars(trainer, metrics, step)
-        self._log_histograms(trainer, "grad/", {name: h for (_, name), h in fetched.histograms.items()}, step)
+        self._log_histograms(trainer, "grad/", fetched.histograms, step)
