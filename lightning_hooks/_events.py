@@ -10,16 +10,19 @@ does not write through keeps TensorBoard's own code.
 
 from __future__ import annotations
 
-import itertools
 import struct
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c as python_crc32c
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.summary.writer.record_writer import RecordWriter
+from torch.utils.tensorboard.writer import FileWriter
 
 
 def _c_crc32c() -> Callable[[bytes], int] | None:
@@ -80,16 +83,15 @@ class ScalarSummaries:
 
     Setting the ``simple_value`` of 6,000 ``Summary.Value`` messages one by one cost about 1,500
     instructions a value (callgrind, the encoder's logging step). Here the summary is serialised
-    once, with zeros, and each step's values, as float32, are written over the zeros before the
-    bytes are parsed: a value's ``simple_value`` (field 2, fixed32) is the last field of its
-    ``Summary.Value``, so its 4 bytes end the value's bytes, and the serialisation of a summary is
-    the concatenation of its values' (a repeated field). The message is the one setting the
-    fields gives: float32 rounding, infinities and NaN alike (tested byte for byte).
+    once, with zeros, and each step's values, as float32, are written over the zeros: a value's
+    ``simple_value`` (field 2, fixed32) is the last field of its ``Summary.Value``, so its 4 bytes
+    end the value's bytes, and the serialisation of a summary is the concatenation of its values'
+    (a repeated field). The bytes are those of the message setting the fields gives: float32
+    rounding, infinities and NaN alike (tested byte for byte).
 
     Example::
 
-        >>> summary = Summary()
-        >>> ScalarSummaries(["loss", "lr"]).fill([0.5, 1e-3], summary)
+        >>> summary = Summary.FromString(ScalarSummaries(["loss", "lr"]).serialised([0.5, 1e-3]))
         >>> [(v.tag, round(v.simple_value, 6)) for v in summary.value]
         [('loss', 0.5), ('lr', 0.001)]
     """
@@ -102,12 +104,12 @@ class ScalarSummaries:
         """The positions of the values' float32 bytes in ``template``."""
         self.size = len(tags)
 
-    def fill(self, values: Iterable[float], into: Summary) -> None:
-        """Make ``into`` the summary of ``values`` (one per tag, in order), replacing what it held."""
+    def serialised(self, values: Iterable[float]) -> bytes:
+        """The serialised summary of ``values``, one per tag, in order: what ``SerializeToString`` gives for it."""
         data = self.template.copy()
         with np.errstate(over="ignore"):  # a double beyond float32's range is an infinity, as in the message
             data[self.index] = np.fromiter(values, dtype="<f4", count=self.size).view(np.uint8)
-        into.ParseFromString(data.tobytes())
+        return data.tobytes()
 
 
 _HISTOGRAM_NUMBERS = ("min", "max", "num", "sum", "sum_squares")
@@ -135,14 +137,14 @@ class HistogramSummaries:
     serialises to the same length whatever they are: its bytes are laid out as a numpy record
     (:func:`_histogram_record`, checked against the serialisation of one histogram when made), so
     the histograms of a step are written as columns of an array of records, each put after the
-    bytes of its tag, and parsed. A field that is zero is then present in the bytes, which parsing
-    accepts; a message parsed that way serialises as one whose fields were set (zeros left out),
-    byte for byte (tested).
+    bytes of its tag. A number that is zero is left out of a serialised message: the few
+    histograms with one (a ReLU's minimum) are serialised by protobuf from their record. The
+    bytes are those of the message whose fields were set, byte for byte (tested).
 
     Example::
 
-        >>> summary = Summary()
-        >>> HistogramSummaries(["w"], 2).fill(np.array([[0.0, 2.0, 3.0, 2.5, 4.25, 2.0, 1.0]]), summary)
+        >>> made = HistogramSummaries(["w"], 2).serialised(np.array([[0.0, 2.0, 3.0, 2.5, 4.25, 2.0, 1.0]]))
+        >>> summary = Summary.FromString(made)
         >>> list(summary.value[0].histo.bucket_limit), list(summary.value[0].histo.bucket)
         ([1.0, 2.0], [2.0, 1.0])
     """
@@ -159,13 +161,14 @@ class HistogramSummaries:
         if read != [1.0, 2.0, 3.0, 4.0, 5.0] or {*self.empty["limits"][0], *self.empty["counts"][0]} != {6.0, 7.0}:
             raise ValueError("a HistogramProto does not serialise as the record laid out for it")  # pragma: no cover
         size = self.record.itemsize
+        self.tags = list(tags)
         self.heads = [Summary(value=[Summary.Value(tag=tag, histo=probe)]).SerializeToString()[:-size] for tag in tags]
         """Each tag's bytes before its histogram's: the value's key and length, the tag, the histogram's key and
         length."""
 
-    def fill(self, rows: NDArray[np.float64], into: Summary) -> None:
-        """Make ``into`` the summary of ``rows``, one :class:`~lightning_hooks._stats.Histogram` row per tag, in order
-        (``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]``), replacing what it held."""
+    def serialised(self, rows: NDArray[np.float64]) -> bytes:
+        """The serialised summary of ``rows``, one :class:`~lightning_hooks._stats.Histogram` row per tag, in order
+        (``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]``): what ``SerializeToString`` gives for it."""
         records = np.repeat(self.empty, len(rows))
         lo, hi = rows[:, 0:1], rows[:, 1:2]
         for i, name in enumerate(_HISTOGRAM_NUMBERS):
@@ -176,5 +179,58 @@ class HistogramSummaries:
             records["limits"] = lo + width * np.arange(1, self.bins + 1)
         records["counts"] = rows[:, 5:]
         blob, size = memoryview(records.tobytes()), self.record.itemsize
-        histos = (blob[i * size : (i + 1) * size] for i in range(len(rows)))
-        into.ParseFromString(b"".join(itertools.chain.from_iterable(zip(self.heads, histos, strict=True))))
+        pieces = [self.heads[i] + blob[i * size : (i + 1) * size] for i in range(len(rows))]
+        # A number that is +0.0 is left out of a serialised message (-0.0 is not): such a histogram's bytes are
+        # its message's, made by protobuf from the record (a ReLU's minimum, say).
+        for i in np.flatnonzero((rows[:, :5].view(np.uint64) == 0).any(axis=1)).tolist():
+            histo = HistogramProto.FromString(blob[i * size : (i + 1) * size])
+            pieces[i] = Summary(value=[Summary.Value(tag=self.tags[i], histo=histo)]).SerializeToString()
+        return b"".join(pieces)
+
+
+def event_bytes(summary: bytes, step: int, wall_time: float) -> bytes:
+    """The serialised ``Event(wall_time=wall_time, step=step, summary=...)`` of a serialised ``summary``.
+
+    Example::
+
+        >>> from tensorboard.compat.proto.event_pb2 import Event
+        >>> summary = Summary(value=[Summary.Value(tag="loss", simple_value=0.5)])
+        >>> made = event_bytes(summary.SerializeToString(), 300, 1.5)
+        >>> made == Event(wall_time=1.5, step=300, summary=summary).SerializeToString()
+        True
+    """
+    wall = struct.pack("<d", wall_time)
+    head = b"\t" + wall if wall != bytes(8) else b""  # a number that is +0.0 is left out
+    if step:
+        head += b"\x10" + _varint(step & 0xFFFFFFFFFFFFFFFF)  # an int64: a negative one as its 64-bit two's complement
+    return head + b"*" + _varint(len(summary)) + summary
+
+
+def _varint(n: int) -> bytes:
+    """``n`` (not negative) as a protobuf varint: seven bits a byte, low first, the high bit set on all but the last."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def write_summary(file_writer: Any, summary: bytes, step: int) -> None:
+    """Write a serialised ``summary`` as the event of ``step``, as ``file_writer.add_event(Event(summary=...), step)``
+    would: the same bytes in the file.
+
+    ``file_writer`` is torch's ``FileWriter`` (what ``SummaryWriter._get_file_writer()`` returns). Made
+    by torch with TensorBoard's ``EventFileWriter``, it gets the event's bytes straight away, as its
+    ``add_event`` would hand them to the writer thread after serialising the message (parsing the
+    summary into an ``Event`` to have it serialised again cost as much as making the summary, for
+    the 1,200 histograms of an encoder's step); a writer made otherwise gets the message.
+    """
+    events = getattr(file_writer, "event_writer", None)
+    records = getattr(events, "_async_writer", None)
+    if type(file_writer) is FileWriter and type(events) is EventFileWriter and records is not None:
+        records.write(event_bytes(summary, step, time.time()))
+    else:
+        event = Event()
+        event.summary.ParseFromString(summary)
+        file_writer.add_event(event, step)

@@ -26,12 +26,11 @@ import numpy as np
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.summary import text as text_summary
 
-from lightning_hooks._events import HistogramSummaries, ScalarSummaries, checksum_in_c
+from lightning_hooks._events import HistogramSummaries, ScalarSummaries, checksum_in_c, write_summary
 from lightning_hooks._layout import build_layout
 from lightning_hooks._stats import Histogram
 from lightning_hooks._tables import Cell, Table
@@ -159,9 +158,8 @@ class TensorBoardBackend(Backend):
                 if len(self.summaries) >= _EVENTS_KEPT:
                     self.summaries.clear()
                 summaries = self.summaries[tags] = ScalarSummaries(tags)
-            event = Event()
-            summaries.fill(data.scalars.values(), event.summary)  # the prefix changes only the tags
-            logger.experiment._get_file_writer().add_event(event, data.step)
+            # The prefix changes only the tags.
+            write_summary(logger.experiment._get_file_writer(), summaries.serialised(data.scalars.values()), data.step)
         else:
             super().write(logger, data)
         if not data.kinds():
@@ -172,16 +170,16 @@ class TensorBoardBackend(Backend):
         if data.histograms and files is not None:
             # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
             # Made from bytes, like the scalars' summary (see HistogramSummaries).
-            rows = np.stack([hist.row for hist in data.histograms.values()]).astype(np.float64, copy=False)
+            # One concatenation (np.stack spends a Python-level step on each of 1,200 rows), then the rows back.
+            flat = np.concatenate([hist.row for hist in data.histograms.values()], dtype=np.float64)
+            rows = flat.reshape(len(data.histograms), -1)
             tags = tuple(data.histograms)
             histograms = self.histogram_summaries.get(tags)
             if histograms is None or histograms.bins != rows.shape[1] - 5:
                 if len(self.histogram_summaries) >= _EVENTS_KEPT:
                     self.histogram_summaries.clear()
                 histograms = self.histogram_summaries[tags] = HistogramSummaries(tags, rows.shape[1] - 5)
-            event = Event()
-            histograms.fill(rows, event.summary)
-            files.add_event(event, data.step)
+            write_summary(files, histograms.serialised(rows), data.step)
         else:
             for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
                 writer.add_histogram_raw(

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_hooks import ActivationStats, GradStats, ShapeLogger
-from lightning_hooks._events import CRecordWriter, HistogramSummaries, ScalarSummaries, checksum_in_c
+from lightning_hooks._events import CRecordWriter, HistogramSummaries, ScalarSummaries, checksum_in_c, event_bytes
 from lightning_hooks._stats import Histogram
 from tests.helpers import Probe, TinyNet, make_trainer
 
@@ -49,7 +50,11 @@ def user_writes(trainer: pl.Trainer, pl_module: pl.LightningModule, *args: objec
 def test_event_file_is_what_tensorboards_writer_writes(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="run")
     user = Probe("on_train_batch_end", user_writes)
-    callbacks = [ShapeLogger(), GradStats(log_every_n_steps=1, histograms=True), ActivationStats(log_every_n_steps=1)]
+    callbacks = [
+        ShapeLogger(),
+        GradStats(log_every_n_steps=1, histograms=True),
+        ActivationStats(log_every_n_steps=1, histograms=True),  # a ReLU's histogram has a minimum of 0
+    ]
     make_trainer(tmp_path, [*callbacks, user], logger=logger, max_steps=4).fit(TinyNet())
     assert user.seen == [CRecordWriter] * 4  # the C checksums were in use from the first logging step on
 
@@ -61,10 +66,13 @@ def test_event_file_is_what_tensorboards_writer_writes(tmp_path: Path) -> None:
     for record in data:
         python_writer.write(record)
     assert path.read_bytes() == expected.getvalue()
+    # Each event written from bytes is what serialising its message gives (what `add_event` would write).
+    assert all(Event.FromString(record).SerializeToString() == record for record in data)
 
     events = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}).Reload()
     assert events.Scalars("grad_norm/fc1.weight")[-1].step == 3
     assert events.Histograms("grad/fc1.weight")
+    assert events.Histograms("act/act")[-1].histogram_value.min == 0.0
     assert events.Tensors("shapes/train")
     assert [e.value for e in events.Scalars("user/value")] == [1.5] * 4
 
@@ -91,10 +99,9 @@ def test_scalar_summaries_are_byte_for_byte_the_messages_setting_the_fields_give
     # a tag of over 127 bytes has a two-byte length, and so has its value
     tags = ["loss", "grad_norm/" + "layers.0." * 15 + "weight", "act_mean/ünïcode", *(f"t{i}" for i in range(10))]
     expected = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values, strict=True)])
-    summaries, made = ScalarSummaries(tags), Summary()
-    summaries.fill([7.0] * len(tags), made)  # a first step; the next one reuses the bytes
-    summaries.fill(values, made)
-    assert made.SerializeToString() == expected.SerializeToString()
+    summaries = ScalarSummaries(tags)
+    summaries.serialised([7.0] * len(tags))  # a first step; the next one reuses the bytes
+    assert summaries.serialised(values) == expected.SerializeToString()
 
 
 def set_field_by_field(tag: str, hist: Histogram) -> Summary.Value:
@@ -116,7 +123,14 @@ def test_histogram_summaries_are_byte_for_byte_the_messages_setting_the_fields_g
         rows.append([lo, hi, counts.sum(), rng.normal() * (i % 3), abs(rng.normal()) * (i % 2), *counts])
     tags = ["w", "layers.0." * 15 + "weight", "act/ünïcode", "x", "y", "z"]
     expected = Summary(value=[set_field_by_field(t, Histogram(r)) for t, r in zip(tags, rows, strict=True)])
-    summaries, made = HistogramSummaries(tags, bins), Summary()
-    summaries.fill(np.full((len(tags), 5 + bins), 7.0), made)  # a first step; the next one reuses the bytes
-    summaries.fill(np.array(rows), made)
-    assert made.SerializeToString() == expected.SerializeToString()
+    summaries = HistogramSummaries(tags, bins)
+    summaries.serialised(np.full((len(tags), 5 + bins), 7.0))  # a first step; the next one reuses the bytes
+    assert summaries.serialised(np.array(rows)) == expected.SerializeToString()
+
+
+@pytest.mark.parametrize("step", [0, 1, 127, 128, 300, 2**40, -1])
+@pytest.mark.parametrize("wall_time", [0.0, -0.0, 1.5, 1_764_000_000.123])
+def test_event_bytes_are_the_serialised_event(step: int, wall_time: float) -> None:
+    summary = Summary(value=[Summary.Value(tag="loss", simple_value=0.5)])
+    expected = Event(wall_time=wall_time, step=step, summary=summary).SerializeToString()
+    assert event_bytes(summary.SerializeToString(), step, wall_time) == expected
