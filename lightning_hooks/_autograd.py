@@ -29,3 +29,9 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
         return None
     scale: torch.Tensor | None = getattr(scaler, "_scale", None)
     return scale
+
+
+def dense_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a strided tensor: a sparse gradient (``nn.Embedding(sparse=True)``'s) in its dense form, zeros
+    included, which statistics and norms read (their kernels take no sparse tensor); any other as it is."""
+    return grad if grad.layout == torch.strided else grad.to_dense()

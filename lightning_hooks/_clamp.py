@@ -47,7 +47,15 @@ def clamp_true_gradient(
 
     With a scale the bound is ``value * scale``, computed on device (no host sync), and non-finite
     values are left as they are so that the ``GradScaler`` still sees the overflow and skips the step.
+    A sparse (COO) gradient has its stored values clamped; counted, it has as many elements as its
+    dense form, the others being zeros.
     """
+    if grad.layout == torch.sparse_coo:  # an embedding's with `sparse=True`
+        grad = grad.coalesce()
+        clamped = clamp_true_gradient(grad.values(), value, scale, count)
+        if count is not None and count.active:
+            count.seen += grad.numel() - grad.values().numel()
+        return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True)
     if scale is None:
         if count is not None and count.active:
             count.clamped.append((grad.abs() > value).sum())
@@ -110,7 +118,7 @@ class GradClamper:
 
     def clamp_grads(self, params: Sequence[nn.Parameter]) -> None:
         """Clamp the ``.grad`` of ``params`` in place to ``[-value, value]`` (unscaled), counting while active."""
-        self._clamp_in_place([param.grad for param in params if param.grad is not None])
+        self._clamp_in_place([grad for grad in (param.grad for param in params) if grad is not None])
 
     def attach_unsharded(
         self,
@@ -147,7 +155,8 @@ class GradClamper:
         """Two fused operators for the dense ``grads`` (``torch._foreach_clamp_min_`` and ``_max_``), one each for
         others; the clamped elements counted per tensor while :attr:`count` is active."""
         value, count = self.value, self.count
-        dense = [grad for grad in grads if grad.layout == torch.strided]
+        sparse = [grad for grad in grads if grad.layout != torch.strided]
+        dense = [grad for grad in grads if grad.layout == torch.strided] if sparse else grads
         with torch.no_grad():
             if count.active:  # over the gradients end to end, a few operators in all, not three per gradient
                 values = [flatten([dense[i] for i in chunk])[0] for chunk in fused_chunks(dense, FUSED_CHUNK)]
@@ -156,9 +165,8 @@ class GradClamper:
                 count.seen += sum(grad.numel() for grad in dense)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)
-            for grad in grads:
-                if grad.layout != torch.strided:  # sparse: no fused kernel
-                    grad.copy_(clamp_true_gradient(grad, value, None, count))
+            for grad in sparse:  # no fused kernel
+                grad.copy_(clamp_true_gradient(grad, value, None, count))
 
 
 class _ClampUnsharded:

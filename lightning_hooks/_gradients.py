@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._autograd import in_backward, loss_scale
+from lightning_hooks._autograd import dense_gradient, in_backward, loss_scale
 from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import named_tensors
@@ -291,7 +291,7 @@ class ParamGradRecorder:
                 continue
             self._read.add(id(param))
             read.append((name, param))
-            grads.append(counted_part(param.grad))
+            grads.append(dense_gradient(counted_part(param.grad)))
         if not read:
             return
         # Unsharded, a gradient has its parameter's device, dtype and shape: one layout serves both.

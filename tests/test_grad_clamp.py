@@ -109,3 +109,29 @@ def test_tied_weight_is_hooked_once(tmp_path: Path) -> None:
     make_trainer(tmp_path, [GradClamp(0.1), probe], logger=False, max_steps=1, accumulate_grad_batches=2).fit(model)
     assert probe.seen[0]["fc2.weight"] == 1
     assert not any(p._backward_hooks for p in model.parameters())
+
+
+class SparseEmbedding(TinyNet):
+    """TinyNet behind an embedding whose gradient is sparse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4, sparse=True)
+        self.x = torch.randint(0, 10, (self.n,), generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(100 * self.embed(x))
+
+
+@pytest.mark.parametrize("mode", ["backward", "accumulated"])
+def test_a_sparse_gradient_is_clamped_with_the_dense_ones(tmp_path: Path, mode: str) -> None:
+    seen = Probe(
+        "on_before_optimizer_step",
+        lambda trainer, pl_module, optimizer: (pl_module.embed.weight.grad, pl_module.fc1.weight.grad),
+    )
+    make_trainer(tmp_path, [GradClamp(0.01, mode=mode), seen], max_steps=1, logger=False).fit(SparseEmbedding())
+    ((sparse, dense),) = seen.seen
+    assert sparse.is_sparse
+    values = sparse.coalesce().values()
+    assert values.abs().max() == pytest.approx(0.01)
+    assert dense.abs().max() == pytest.approx(0.01)

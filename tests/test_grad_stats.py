@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_hooks import GradStats
 from lightning_hooks._stats import derive, state
 from tests.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars
-from tests.zoo import ResNetish
+from tests.zoo import ResNetish, SparseEmbeddingNet
 
 
 class Capture(pl.Callback):
@@ -225,3 +225,13 @@ def test_mixed_dtype_statistics_equal_the_per_tensor_path(tmp_path: Path) -> Non
             before, after = capture.before[step][name], capture.after[step][name]
             ratio = torch.linalg.vector_norm((after - before).double()) / torch.linalg.vector_norm(before.double())
             assert scalars(tmp_path, f"update_ratio/{name}")[step] == pytest.approx(float(ratio), rel=1e-4)
+
+
+def test_a_sparse_gradient_is_read_in_its_dense_form(tmp_path: Path) -> None:
+    capture = Capture()
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1), capture], max_steps=2).fit(SparseEmbeddingNet())
+    for step in (0, 1):
+        grad = capture.grads[step]["embed.weight"]
+        assert grad.is_sparse
+        for stat, value in derive(state(grad.to_dense())).items():  # rows of unused tokens are zeros
+            assert scalars(tmp_path, f"grad_{stat}/embed.weight")[step] == pytest.approx(value, rel=1e-5, abs=1e-7)

@@ -18,6 +18,7 @@ from lightning_hooks._health import HealthTracker, Snapshot, Thresholds, dead_un
 from lightning_hooks._health_report import summary
 from lightning_hooks._stats import State
 from tests.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
+from tests.zoo import SparseEmbeddingNet
 
 
 def fit(
@@ -289,3 +290,10 @@ def test_without_a_logger_it_still_finds_warns_and_sums_up(tmp_path: Path, capsy
     assert [(f.check, f.layers) for f in monitor.findings] == [("dead_units", ("net.1",))]
     assert sum("`HealthMonitor` found dead_units" in str(w.message) for w in caught) == 1
     assert "HealthMonitor: 1 problem(s) found in 16 steps:" in capsys.readouterr().out
+
+
+def test_a_sparse_gradient_is_watched_in_its_dense_form(tmp_path: Path) -> None:
+    # Gradient norms are taken on every logging step, and on quiet steps by the loss-spike ring.
+    monitor, _ = fit(tmp_path, SparseEmbeddingNet, steps=11, every=5)
+    assert sorted(scalars(tmp_path, "health/exploding_gradients")) == [0, 5, 10]  # logged: the check ran
+    assert not only(monitor.findings, "nonfinite")

@@ -260,6 +260,21 @@ class CheckpointNet(ZooModule):
         return self.head(checkpoint(self.block, x, use_reentrant=False))
 
 
+class SparseEmbeddingNet(ZooModule):
+    """An embedding whose gradient is a sparse tensor (``sparse=True``), then a linear layer."""
+
+    probe = "proj"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.x = torch.randint(0, 10, (len(self.x), 3), generator=torch.Generator().manual_seed(1))
+        self.embed = nn.Embedding(10, 4, sparse=True)
+        self.proj = nn.Linear(12, self.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(x).flatten(1))
+
+
 ZOO: list[type[ZooModule]] = [
     ResNetish,
     LSTMNet,
@@ -271,4 +286,5 @@ ZOO: list[type[ZooModule]] = [
     TupleNet,
     FrozenNet,
     CheckpointNet,
+    SparseEmbeddingNet,
 ]

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_hooks import _validate
 from lightning_hooks._activations import UnitRecorder
+from lightning_hooks._autograd import dense_gradient
 from lightning_hooks._compiled import Region
 from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks._handles import HookHandles
@@ -267,7 +268,7 @@ class HealthMonitor(StatsCallback):
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
         if read:
             self._read.update(id(p) for _, p in read)
-            values = gradient_norms([counted_part(p.grad) for _, p in read])  # type: ignore[arg-type]
+            values = gradient_norms([dense_gradient(counted_part(p.grad)) for _, p in read])  # type: ignore[arg-type]
             self._grad_names.append([name for name, _ in read])
             self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
 
@@ -442,7 +443,11 @@ class _LossRing:
         zero = self.zero
         # Under FSDP2, this process's shard of each gradient: the ring is read on rank zero, unpooled.
         grads = [zero if p.grad is None else local(p.grad) for p in self.params]
-        self.grad_norms[step] = torch.stack(torch._foreach_norm(grads))
+        try:
+            norms = torch._foreach_norm(grads)
+        except (NotImplementedError, RuntimeError):  # a sparse gradient: no norm kernel takes it (no check per step)
+            norms = torch._foreach_norm([dense_gradient(g) for g in grads])
+        self.grad_norms[step] = torch.stack(norms)
 
     def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
         """The steps kept since the last hand-over and those of them with norms, whose values go into ``batch``."""
