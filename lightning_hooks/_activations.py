@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hooks._autograd import in_backward
+from lightning_hooks._autograd import graph_task_id, in_backward
 from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import named_tensors
@@ -65,12 +65,15 @@ class _ActivationHook:
         """The key of a bare tensor output."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward():  # activation checkpointing re-running forward
-            return
         recorder, into = self.recorder, self.into
+        # Not while activation checkpointing re-runs forward in backward.
         if isinstance(into, Pending):  # inside compiled code: see Pending
+            if in_backward():
+                return
             into.fired.append(self.name)
         else:
+            if graph_task_id() != -1:  # an eager hook: no compiler traces it
+                return
             recorder.fired.add(self.name)
         if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
             if output.is_floating_point():
@@ -141,7 +144,7 @@ class _UnitHook:
         self.recorder, self.name, self.channels_first, self.units = recorder, name, channels_first, units
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward():  # activation checkpointing re-running forward
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
             return
         recorder = self.recorder
         recorder.fired.add(self.name)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hooks._autograd import dense_gradient, in_backward, loss_scale
+from lightning_hooks._autograd import dense_gradient, graph_task_id, loss_scale
 from lightning_hooks._compiled import Pending, Region, Switched
 from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import named_tensors
@@ -90,7 +90,7 @@ class _OutputGradHook:
         """Its pre-hook on the node that made it, when the output is that node's first (as nearly always)."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if in_backward():  # activation checkpointing re-running forward
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
             return
         self.recorder.fired.add(self.name)
         if not torch.is_grad_enabled():
