@@ -122,8 +122,9 @@ class _GradReader:
         self.recorder, self.key = recorder, key
 
     def __call__(self, grad: torch.Tensor) -> None:
-        scale = loss_scale(self.recorder.scaler)
-        self.recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
+        recorder = self.recorder
+        scale = None if recorder.scaler is None else loss_scale(recorder.scaler)  # no call per gradient without AMP
+        recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
 
 
 class _OutputOf:
