@@ -292,7 +292,8 @@ class ParamGradRecorder:
                 continue
             self._read.add(id(param))
             read.append((name, param))
-            grads.append(dense_gradient(counted_part(param.grad)))
+            grad = counted_part(param.grad)
+            grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))  # a call only when sparse
         if not read:
             return
         # Unsharded, a gradient has its parameter's device, dtype and shape: one layout serves both.
