@@ -55,7 +55,8 @@ def clamp_true_gradient(
         clamped = clamp_true_gradient(grad.values(), value, scale, count)
         if count is not None and count.active:
             count.seen += grad.numel() - grad.values().numel()
-        return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True)
+        # From a coalesced tensor's own indices: valid, so the invariant checks (and their warning) are skipped.
+        return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True, check_invariants=False)
     if scale is None:
         if count is not None and count.active:
             count.clamped.append((grad.abs() > value).sum())
