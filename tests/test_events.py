@@ -16,9 +16,17 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.writer import FileWriter
 
 from lightning_hooks import ActivationStats, GradStats, ShapeLogger
-from lightning_hooks._events import CRecordWriter, HistogramSummaries, ScalarSummaries, checksum_in_c, event_bytes
+from lightning_hooks._events import (
+    CRecordWriter,
+    HistogramSummaries,
+    ScalarSummaries,
+    checksum_in_c,
+    event_bytes,
+    write_summary,
+)
 from lightning_hooks._stats import Histogram
 from tests.helpers import Probe, TinyNet, make_trainer
 
@@ -134,3 +142,30 @@ def test_event_bytes_are_the_serialised_event(step: int, wall_time: float) -> No
     summary = Summary(value=[Summary.Value(tag="loss", simple_value=0.5)])
     expected = Event(wall_time=wall_time, step=step, summary=summary).SerializeToString()
     assert event_bytes(summary.SerializeToString(), step, wall_time) == expected
+
+
+class OwnFileWriter(FileWriter):
+    """A file writer of another make: it gets the event message through its `add_event`."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir)
+        self.added: list[Event] = []
+
+    def add_event(self, event: Event, step: int | None = None, walltime: float | None = None) -> None:
+        self.added.append(event)
+        super().add_event(event, step, walltime)
+
+
+@pytest.mark.parametrize("make", [FileWriter, OwnFileWriter])
+def test_a_summary_is_written_as_the_event_add_event_writes(tmp_path: Path, make: type[FileWriter]) -> None:
+    summary = Summary(value=[Summary.Value(tag="loss", simple_value=0.5), Summary.Value(tag="lr", simple_value=1e-3)])
+    writer = make(str(tmp_path))
+    write_summary(writer, summary.SerializeToString(), 7)
+    writer.close()
+    if isinstance(writer, OwnFileWriter):
+        assert [e.summary for e in writer.added] == [summary]
+    [path] = tmp_path.glob("events.out.tfevents.*")
+    events = [Event.FromString(record) for record in records(path)]
+    written = events[-1]  # after the file-version event
+    assert (written.step, written.summary) == (7, summary)
+    assert written.wall_time > 0
