@@ -37,8 +37,11 @@ class HookHandles:
         self._handles.append(handle)
         return handle
 
-    def add_forward_hooks(self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]]) -> None:
-        """Register each ``(module, hook)`` as ``module.register_forward_hook(hook)`` would, under one handle.
+    def add_forward_hooks(
+        self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], always_call: bool = False
+    ) -> None:
+        """Register each ``(module, hook)`` as ``module.register_forward_hook(hook, always_call=...)`` would, under
+        one handle.
 
         ``register_forward_hook`` makes a ``RemovableHandle`` per hook: about 22,400 instructions to
         register and remove one (callgrind, 300 ``Tanh`` modules), 15 M for the 684 hooks of a 24-layer
@@ -49,25 +52,57 @@ class HookHandles:
         own way (a class that overrides ``register_forward_hook``) and a module given twice get
         theirs from ``register_forward_hook``.
         """
-        batched: list[tuple[OrderedDict[int, Callable[..., Any]], Callable[..., Any]]] = []
+        flags = "_forward_hooks_always_called" if always_call else None
+        self._add_each(hooks, "register_forward_hook", "_forward_hooks", flags, {"always_call": always_call})
+
+    def add_forward_pre_hooks(
+        self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], with_kwargs: bool = False
+    ) -> None:
+        """:meth:`add_forward_hooks` for forward pre-hooks: as ``module.register_forward_pre_hook(hook,
+        with_kwargs=...)`` would register each, under one handle."""
+        flags = "_forward_pre_hooks_with_kwargs" if with_kwargs else None
+        self._add_each(hooks, "register_forward_pre_hook", "_forward_pre_hooks", flags, {"with_kwargs": with_kwargs})
+
+    def _add_each(
+        self,
+        hooks: Sequence[tuple[nn.Module, Callable[..., Any]]],
+        method: str,
+        hook_dict: str,
+        flag_dict: str | None,
+        options: dict[str, bool],
+    ) -> None:
+        """Write each hook into its module's ``hook_dict`` (and the id into ``flag_dict``, the dict in which torch
+        marks a hook's option) under one handle, or register it with ``method`` where that cannot be done."""
+        batched: list[tuple[OrderedDict[int, Any], Callable[..., Any], dict[int, bool] | None]] = []
         seen: set[int] = set()
         for module, hook in hooks:
-            found = getattr(module, "_forward_hooks", None)
-            plain = type(module).register_forward_hook is nn.Module.register_forward_hook
-            if plain and isinstance(found, OrderedDict) and id(found) not in seen:
+            found = getattr(module, hook_dict, None)
+            flags = None if flag_dict is None else getattr(module, flag_dict, None)
+            plain = getattr(type(module), method) is getattr(nn.Module, method)
+            if (
+                plain
+                and isinstance(found, OrderedDict)
+                and id(found) not in seen
+                and (flag_dict is None or flags is not None)
+            ):
                 seen.add(id(found))
-                batched.append((found, hook))
+                batched.append((found, hook, flags))
             else:  # registered now, after the hooks batched so far, to keep the order
                 self._add_batched(batched)
                 batched, seen = [], set()
-                self.add(module.register_forward_hook(hook))
+                self.add(getattr(module, method)(hook, **options))
         self._add_batched(batched)
 
-    def _add_batched(self, batched: list[tuple[OrderedDict[int, Callable[..., Any]], Callable[..., Any]]]) -> None:
+    def _add_batched(
+        self, batched: list[tuple[OrderedDict[int, Any], Callable[..., Any], dict[int, bool] | None]]
+    ) -> None:
         if batched:
-            handle = self.add(RemovableHandle(batched[0][0], extra_dict=[d for d, _ in batched[1:]]))
-            for found, hook in batched:
+            extra = [d for d, _, _ in batched[1:]] + [f for _, _, f in batched if f is not None]
+            handle = self.add(RemovableHandle(batched[0][0], extra_dict=extra))
+            for found, hook, flags in batched:
                 found[handle.id] = hook
+                if flags is not None:
+                    flags[handle.id] = True
 
     def remove(self) -> None:
         """Remove every hook this owner holds; safe to call any number of times."""

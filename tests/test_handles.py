@@ -86,3 +86,46 @@ def test_forward_hooks_under_one_handle_run_like_registered_ones_and_all_go() ->
     for handle in users:
         handle.remove()
     assert all(not m._forward_hooks for m in model.modules())
+
+
+class Failing(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("forward failed")
+
+
+def test_pre_hooks_with_kwargs_and_always_called_hooks_under_one_handle() -> None:
+    # What ShapeRecorder registers: a pre-hook that sees keyword arguments, a hook that runs even when forward raises.
+    model = nn.ModuleDict({"ok": nn.Linear(2, 2), "failing": Failing(2, 2), "own": OwnRegistration(2, 2)})
+    seen: list[tuple[str, object]] = []
+
+    def pre(label: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen.append((label, sorted(kwargs)))
+
+        return hook
+
+    def post(label: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            seen.append((label, "after"))
+
+        return hook
+
+    handles = HookHandles()
+    handles.add_forward_pre_hooks([(m, pre(n)) for n, m in model.items()], with_kwargs=True)
+    handles.add_forward_hooks([(m, post(n)) for n, m in model.items()], always_call=True)
+    assert len(handles) == 3  # the module with its own registration got its hooks apart (the forward hook)
+    model["ok"](input=torch.ones(1, 2))
+    model["own"](input=torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        model["failing"](input=torch.ones(1, 2))
+    expected = [(name, when) for name in ("ok", "own", "failing") for when in (["input"], "after")]
+    assert seen == expected
+    handles.remove()
+    hook_dicts = (
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+    )
+    assert all(not getattr(m, d) for m in model.modules() for d in hook_dicts)
