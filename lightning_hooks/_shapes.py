@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_hooks._autograd import in_backward
+from lightning_hooks._autograd import graph_task_id
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import Signature, call_inputs, format_signature, signature
 from lightning_hooks._select import ModuleSelector, label, type_label
@@ -39,6 +39,8 @@ class ShapeRecorder:
     active: bool = False
     rows: list[ShapeRow] = field(default_factory=list)
     _open: dict[str, list[ShapeRow]] = field(default_factory=dict)
+    _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
+    """The hooks of each module name, made once and attached at every recorded step."""
 
     def clear(self) -> None:
         self.rows = []
@@ -47,13 +49,24 @@ class ShapeRecorder:
     def attach(
         self, modules: list[tuple[str, nn.Module]], handles: HookHandles, params: dict[str, int] | None = None
     ) -> None:
-        """Hook ``modules``; ``params`` (qualified name to parameter count) saves recounting them."""
-        for name, module in modules:
+        """Hook ``modules``; ``params`` (qualified name to parameter count) saves recounting them.
+
+        The hooks are registered under one handle each way (:meth:`HookHandles.add_forward_hooks`):
+        on a 24-layer encoder's 342 modules, registering and removing them one by one cost 15 M
+        instructions a recorded step, a fifth of what recording its shapes costs.
+        """
+
+        def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
             count = params[name] if params is not None else parameter_count(module)
-            handles.add(
-                module.register_forward_pre_hook(_ShapePreHook(self, name, type_label(module), count), with_kwargs=True)
-            )
-            handles.add(module.register_forward_hook(_ShapeHook(self, name), always_call=True))
+            return _ShapePreHook(self, name, type_label(module), count), _ShapeHook(self, name)
+
+        hooks = [self._hooks.get(name) or self._hooks.setdefault(name, make(name, module)) for name, module in modules]
+        handles.add_forward_pre_hooks(
+            [(module, pre) for (_, module), (pre, _) in zip(modules, hooks, strict=True)], with_kwargs=True
+        )
+        handles.add_forward_hooks(
+            [(module, post) for (_, module), (_, post) in zip(modules, hooks, strict=True)], always_call=True
+        )
 
     def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
         """What the recorded rows say, comparable between steps."""
@@ -71,7 +84,7 @@ class _ShapePreHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():
+        if not recorder.active or graph_task_id() != -1:  # recorded steps run eagerly (see ShapeLogger)
             return
         row = ShapeRow(self.name, self.type_name, self.params, signature(call_inputs(args, kwargs)))
         recorder.rows.append(row)
@@ -84,7 +97,7 @@ class _ShapeHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():
+        if not recorder.active or graph_task_id() != -1:
             return
         pending = recorder._open.get(self.name)
         if pending:
