@@ -45,6 +45,7 @@ from lightning_hooks._finding import FINITE, Finding, Phase, Reading
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import call_inputs, named_tensors
 from lightning_hooks._select import ModuleSelector, type_label
+from lightning_hooks._stats import FUSED_CHUNK
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
@@ -430,11 +431,10 @@ def finite_step(
 ) -> bool:
     """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
 
-    One fused ``torch._foreach_norm`` (in float32, so that finite half-precision values cannot
-    overflow it) over the gradients and the losses (a 0-d tensor's norm is its absolute value),
-    summed on their device (non-negative numbers: the sum is finite exactly when each is), a set
-    flag adding an Inf; then one host transfer, the only one a healthy step costs. The tensors
-    must share a device, as they do in one Lightning process.
+    The gradients and losses are reduced to one float32 number on their device that is finite
+    when each of their values is (see :func:`_finite_total`), a set flag adding an Inf; then one
+    host transfer, the only one a healthy step costs. The tensors must share a device, as they do
+    in one Lightning process.
 
     Example::
 
@@ -448,12 +448,36 @@ def finite_step(
     tensors = [*grads, *(loss.detach() for loss in losses)]
     if not tensors and not flags:
         return True
-    total = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum() if tensors else None
+    total = _finite_total(tensors) if tensors else None
     if flags:
         found = torch.stack([f.detach().float().sum() for f in flags]).sum()
         bad = torch.where(found > 0, math.inf, 0.0)
         total = bad if total is None else total + bad.to(total.device)
     return math.isfinite(total.item())  # type: ignore[union-attr]
+
+
+def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A float32 number, NaN or infinite when some value of ``tensors`` is (float32, so that finite half-precision
+    values cannot overflow it).
+
+    On an accelerator, the sum of the tensors' norms: one fused ``torch._foreach_norm``. On the CPU,
+    where ``_foreach_norm`` loops over the tensors (7.2 M instructions for a 24-layer encoder's
+    484 gradients, 2.7 % of its training step), the sum of their values, taken over them end to
+    end in chunks of at most :data:`FUSED_CHUNK` elements (3.0 M): an Inf of either sign or a NaN
+    makes it NaN or infinite. Either number can also overflow for finite values (norms from about
+    1e19, sums from about 1e33), which only makes a healthy step look bad: the replay then finds
+    every value finite and says so.
+    """
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
+    f32, parts, start, size = torch.float32, [], 0, 0
+    for i, n in enumerate([t.numel() for t in tensors]):
+        if size + n > FUSED_CHUNK and i > start:
+            parts.append(torch._C._nn.flatten_dense_tensors(tensors[start:i]).sum(dtype=f32))
+            start, size = i, 0
+        size += n
+    parts.append(torch._C._nn.flatten_dense_tensors(tensors[start:]).sum(dtype=f32))
+    return torch.stack(parts).sum()
 
 
 def parameter_readings(

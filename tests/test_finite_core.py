@@ -7,8 +7,16 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_hooks import _finite
 from lightning_hooks._finding import INF, NAN, Reading
-from lightning_hooks._finite import NonFiniteRecorder, Readings, find_nonfinite, grad_readings, parameter_readings
+from lightning_hooks._finite import (
+    NonFiniteRecorder,
+    Readings,
+    find_nonfinite,
+    finite_step,
+    grad_readings,
+    parameter_readings,
+)
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._select import ModuleSelector
 
@@ -238,3 +246,26 @@ def test_the_recorder_pickles_mid_step_without_what_it_recorded() -> None:
     hook = next(iter(copy._forward_hooks.values()))
     assert len(hook.recorder) == 0
     assert not hook.recorder.active
+
+
+@pytest.mark.parametrize("bad", [NaN, Inf, -Inf])
+@pytest.mark.parametrize("where", range(5))
+def test_finite_step_finds_one_bad_value_wherever_it_is(
+    monkeypatch: pytest.MonkeyPatch, bad: float, where: int
+) -> None:
+    # On the CPU the step's tensors are summed end to end in chunks: with chunks of at most 4 values here, the
+    # five tensors (float32, bfloat16, float64, a 0-d loss) fall into several, and a bad value is found in each.
+    monkeypatch.setattr(_finite, "FUSED_CHUNK", 4)
+    tensors = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.float64), torch.ones(5)]
+    loss = torch.tensor(2.0)
+    assert finite_step(tensors, [loss])
+    target = [*tensors, loss][where]
+    target.view(-1)[-1] = bad
+    assert not finite_step(tensors, [loss])
+
+
+def test_finite_step_does_not_overflow_half_precision_sums() -> None:
+    # Finite float16 gradients whose sum is beyond float16's range (65,504) are still a finite step.
+    grads = [torch.full((100,), 60_000.0, dtype=torch.float16) for _ in range(3)]
+    assert finite_step(grads, [torch.tensor(1.0, dtype=torch.float16)])
+    assert not finite_step([*grads, torch.tensor([float("inf")], dtype=torch.float16)])

@@ -55,8 +55,9 @@ class NonFiniteGuard(HookCallback):
     On each checked optimizer step (every ``check_every_n_steps``-th, from step 0) no hook is
     attached; a *sentinel* checks the step in ``on_before_optimizer_step`` (after AMP unscaling
     and after DDP's all-reduce of the gradients): one fused on-device reduction of the parameter
-    gradients (``torch._foreach_norm``) stacked with the losses of the step's micro-batches, read
-    with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
+    gradients (``torch._foreach_norm``; on a CPU their sum over them end to end, see
+    :func:`~lightning_hooks._finite.finite_step`) stacked with the losses of the step's
+    micro-batches, read with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
     All the sentinel keeps meanwhile is a reference to each micro-batch (never a copy), the
     random-number-generator states (CPU, and the accelerator's) and the train/eval flags each
     started with. When it fires, before the optimizer has changed anything, the step's
