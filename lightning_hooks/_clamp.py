@@ -119,7 +119,7 @@ class GradClamper:
 
     def clamp_grads(self, params: Sequence[nn.Parameter]) -> None:
         """Clamp the ``.grad`` of ``params`` in place to ``[-value, value]`` (unscaled), counting while active."""
-        self._clamp_in_place([grad for grad in (param.grad for param in params) if grad is not None])
+        self._clamp_in_place([grad for param in params if (grad := param.grad) is not None])
 
     def attach_unsharded(
         self,
@@ -155,9 +155,10 @@ class GradClamper:
     def _clamp_in_place(self, grads: list[torch.Tensor]) -> None:
         """Two fused operators for the dense ``grads`` (``torch._foreach_clamp_min_`` and ``_max_``), one each for
         others; the clamped elements counted per tensor while :attr:`count` is active."""
-        value, count = self.value, self.count
-        sparse = [grad for grad in grads if grad.layout != torch.strided]
-        dense = [grad for grad in grads if grad.layout == torch.strided] if sparse else grads
+        value, count, strided = self.value, self.count, torch.strided
+        # Layouts are singletons: `is` against a local costs half of `!=` against torch's attribute, per gradient.
+        sparse = [grad for grad in grads if grad.layout is not strided]
+        dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
         with torch.no_grad():
             if count.active:  # over the gradients end to end, a few operators in all, not three per gradient
                 values = [flatten([dense[i] for i in chunk])[0] for chunk in fused_chunks(dense, FUSED_CHUNK)]

@@ -484,10 +484,10 @@ def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The dense gradients of ``optimizer``'s parameters: what the sentinel reads on every step."""
     strided = torch.strided
     return [
-        p.grad
+        grad
         for group in optimizer.param_groups
         for p in group["params"]
-        if p.grad is not None and p.grad.layout == strided
+        if (grad := p.grad) is not None and grad.layout is strided  # layouts are singletons
     ]
 
 
