@@ -470,14 +470,21 @@ def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
-    f32, parts, start, size = torch.float32, [], 0, 0
+    parts, start, size = [], 0, 0
     for i, n in enumerate([t.numel() for t in tensors]):
         if size + n > FUSED_CHUNK and i > start:
-            parts.append(torch._C._nn.flatten_dense_tensors(tensors[start:i]).sum(dtype=f32))
+            parts.append(_sum_of(tensors[start:i]))
             start, size = i, 0
         size += n
-    parts.append(torch._C._nn.flatten_dense_tensors(tensors[start:]).sum(dtype=f32))
+    parts.append(_sum_of(tensors[start:]))
     return torch.stack(parts).sum()
+
+
+def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The float32 sum of the values of ``tensors`` (one dtype after promotion), end to end; of both parts of
+    complex values."""
+    values = torch._C._nn.flatten_dense_tensors(tensors)
+    return (torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float32)
 
 
 def parameter_readings(

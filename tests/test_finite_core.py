@@ -269,3 +269,10 @@ def test_finite_step_does_not_overflow_half_precision_sums() -> None:
     grads = [torch.full((100,), 60_000.0, dtype=torch.float16) for _ in range(3)]
     assert finite_step(grads, [torch.tensor(1.0, dtype=torch.float16)])
     assert not finite_step([*grads, torch.tensor([float("inf")], dtype=torch.float16)])
+
+
+def test_finite_step_reads_both_parts_of_complex_gradients() -> None:
+    grads = [torch.ones(3), torch.ones(2, dtype=torch.complex64)]
+    assert finite_step(grads)
+    grads[1][0] = complex(1.0, float("nan"))
+    assert not finite_step(grads)
