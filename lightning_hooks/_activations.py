@@ -45,7 +45,7 @@ class ActivationRecorder:
         """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        hooks = made_once(self._hooks, modules, lambda name: _ActivationHook(self, name, self.batch))
+        hooks = made_once(self._hooks, modules, lambda name, _: _ActivationHook(self, name, self.batch))
         handles.add_forward_hooks(hooks)
 
     def attach_switched(

@@ -45,7 +45,7 @@ from lightning_hooks._finding import FINITE, Finding, Phase, Reading
 from lightning_hooks._handles import HookHandles
 from lightning_hooks._nested import call_inputs, named_tensors
 from lightning_hooks._select import ModuleSelector, type_label
-from lightning_hooks._stats import FUSED_CHUNK
+from lightning_hooks._stats import FUSED_CHUNK, size_chunks
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
@@ -470,13 +470,7 @@ def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
-    parts, start, size = [], 0, 0
-    for i, n in enumerate([t.numel() for t in tensors]):
-        if size + n > FUSED_CHUNK and i > start:
-            parts.append(_sum_of(tensors[start:i]))
-            start, size = i, 0
-        size += n
-    parts.append(_sum_of(tensors[start:]))
+    parts = [_sum_of(tensors[part]) for part in size_chunks([t.numel() for t in tensors], FUSED_CHUNK)]
     return torch.stack(parts).sum()
 
 

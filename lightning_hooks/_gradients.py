@@ -59,7 +59,7 @@ class OutputGradRecorder:
         """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
-        hooks = made_once(self._hooks, modules, lambda name: _OutputGradHook(self, name))
+        hooks = made_once(self._hooks, modules, lambda name, _: _OutputGradHook(self, name))
         handles.add_forward_hooks(hooks)
 
     def attach_switched(

@@ -131,12 +131,12 @@ Hook = TypeVar("Hook")
 
 
 def made_once(
-    made: dict[str, Hook], modules: Sequence[tuple[str, nn.Module]], make: Callable[[str], Hook]
+    made: dict[str, Hook], modules: Sequence[tuple[str, nn.Module]], make: Callable[[str, nn.Module], Hook]
 ) -> list[tuple[nn.Module, Hook]]:
-    """``(module, hook)`` for each named module, the hook made by ``make(name)`` the first time a name comes and
-    kept in ``made``: a recorder attaches the same hook objects at every logging step (making them cost about
+    """``(module, hook)`` for each named module, the hook made by ``make(name, module)`` the first time a name comes
+    and kept in ``made``: a recorder attaches the same hook objects at every logging step (making them cost about
     3,000 instructions a module)."""
-    for name, _ in modules:
+    for name, module in modules:
         if name not in made:
-            made[name] = make(name)
+            made[name] = make(name, module)
     return [(module, made[name]) for name, module in modules]

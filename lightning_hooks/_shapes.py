@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from lightning_hooks._autograd import graph_task_id
-from lightning_hooks._handles import HookHandles
+from lightning_hooks._handles import HookHandles, made_once
 from lightning_hooks._nested import Signature, call_inputs, format_signature, signature
 from lightning_hooks._select import ModuleSelector, label, type_label
 from lightning_hooks._tables import markdown_table
@@ -60,13 +60,9 @@ class ShapeRecorder:
             count = params[name] if params is not None else parameter_count(module)
             return _ShapePreHook(self, name, type_label(module), count), _ShapeHook(self, name)
 
-        hooks = [self._hooks.get(name) or self._hooks.setdefault(name, make(name, module)) for name, module in modules]
-        handles.add_forward_pre_hooks(
-            [(module, pre) for (_, module), (pre, _) in zip(modules, hooks, strict=True)], with_kwargs=True
-        )
-        handles.add_forward_hooks(
-            [(module, post) for (_, module), (_, post) in zip(modules, hooks, strict=True)], always_call=True
-        )
+        hooks = made_once(self._hooks, modules, make)
+        handles.add_forward_pre_hooks([(module, pre) for module, (pre, _) in hooks], with_kwargs=True)
+        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True)
 
     def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
         """What the recorded rows say, comparable between steps."""

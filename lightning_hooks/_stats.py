@@ -322,16 +322,26 @@ def fused_chunks(tensors: Sequence[torch.Tensor], largest: int = FUSED_MAX) -> I
         if 0 < t.numel() <= largest:
             groups.setdefault((t.device, t.dtype), []).append(i)
     for indices in groups.values():
-        chunk: list[int] = []
-        size = 0
-        for i in indices:
-            n = tensors[i].numel()
-            if chunk and size + n > FUSED_CHUNK:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(i)
-            size += n
-        yield chunk
+        for part in size_chunks([tensors[i].numel() for i in indices], FUSED_CHUNK):
+            yield indices[part]
+
+
+def size_chunks(sizes: Sequence[int], limit: int) -> Iterator[slice]:
+    """Consecutive runs of ``sizes`` that add up to at most ``limit`` (an item larger than that alone), in order.
+
+    Example::
+
+        >>> [(s.start, s.stop) for s in size_chunks([3, 2, 4, 9, 1], limit=5)]
+        [(0, 2), (2, 3), (3, 4), (4, 5)]
+    """
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > limit:
+            yield slice(start, i)
+            start, total = i, 0
+        total += n
+    if sizes:
+        yield slice(start, len(sizes))
 
 
 _ARRAY_TYPES = {torch.int64: "q", torch.float64: "d"}
