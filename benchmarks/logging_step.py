@@ -88,7 +88,7 @@ class Clock:
 def instrument(clock: Clock) -> None:
     from tensorboard.summary.writer import record_writer
 
-    for name in ("observe", "observe_many", "_pooled", "histogram", "histograms", "sample"):
+    for name in ("observe", "observe_many", "observe_rows", "_pooled", "histogram", "histograms", "sample"):
         clock.wrap(_stats, name, "reductions")
     clock.wrap(_stats.StatBatch, "_reduce", "reductions")  # the row-wise reductions of queued copies
     clock.wrap(_gradients._UpdateRatio, "__call__", "reductions")
@@ -122,18 +122,29 @@ class Floor(pl.Callback):
     On logging steps, every module the two callbacks select gets, like theirs, two forward hooks
     (one for the output, one that puts a pre-hook on the autograd node that made it, for its
     gradient), registered as theirs are (:meth:`HookHandles.add_forward_hooks`) and removed at the
-    batch's end. ``sums=False``: the hooks do nothing else, which is torch's price for the hooks
-    alone (registration, ``nn.Module.__call__``'s slow path, autograd calling Python). ``sums=True``:
-    each takes one reduction of each tensor (its sum), brought to the host in one transfer: one
-    operator per tensor, against the six statistics the callbacks derive. No parameter statistics,
-    no tags, no events.
+    batch's end. ``kind``:
+
+    * ``"hooks"``: the hooks do nothing else, which is torch's price for the hooks alone
+      (registration, ``nn.Module.__call__``'s slow path, autograd calling Python);
+    * ``"sums"``: each takes one reduction of each tensor (its sum), brought to the host in one
+      transfer: one operator per tensor, against the six statistics the callbacks derive;
+    * ``"rows"``: each copies each tensor into the next row of a matrix kept for its shape (as
+      :class:`~lightning_hooks._stats.StatBatch` does: an in-place op after the hook must not change
+      what was taken), and full matrices are reduced to the six statistics by the callbacks' own
+      kernels (:func:`~lightning_hooks._stats.observe_rows`; larger tensors by
+      :func:`~lightning_hooks._stats.observe`), one transfer at the end: the statistics of
+      outputs and output gradients with no key, no pooling and no matrix allocated during the step.
+
+    No parameter statistics, no tags, no events.
     """
 
-    def __init__(self, every: int, sums: bool) -> None:
-        self.every, self.sums = every, sums
+    def __init__(self, every: int, kind: str) -> None:
+        self.every, self.kind = every, kind
         self.modules: list[torch.nn.Module] = []
         self.handles = HookHandles()
         self.taken: list[torch.Tensor] = []
+        self.matrices: dict[torch.Size, list[Any]] = {}
+        """Per shape, a float32 matrix of ``ROW_CHUNK`` elements and how many of its rows are taken (kept all fit)."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.modules = [module for _, module in ModuleSelector().select(pl_module)]  # once, as the callbacks do
@@ -145,8 +156,29 @@ class Floor(pl.Callback):
         self.handles.add_forward_hooks([(module, self.gradient) for module in self.modules])
 
     def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.sums and isinstance(output, torch.Tensor):
-            self.taken.append(output.detach().sum())
+        if isinstance(output, torch.Tensor):
+            self.take(output.detach())
+
+    def take(self, t: torch.Tensor) -> None:
+        if self.kind == "sums":
+            self.taken.append(t.sum())
+        elif self.kind == "rows":
+            if t.numel() > _stats.ROW_MAX:
+                self.taken.append(_stats.observe(t).raw)  # type: ignore[arg-type]
+                return
+            found = self.matrices.get(t.shape)
+            if found is None:
+                found = self.matrices[t.shape] = [torch.empty(_stats.ROW_CHUNK // t.numel(), t.numel()), 0]
+            matrix, taken = found
+            matrix[taken].copy_(t.reshape(-1))
+            found[1] = taken + 1
+            if found[1] == len(matrix):
+                self.reduce(found)
+
+    def reduce(self, found: list[Any]) -> None:
+        matrix, taken = found
+        self.taken.append(_stats.observe_rows(matrix[:taken]))
+        found[1] = 0
 
     def gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
@@ -154,13 +186,16 @@ class Floor(pl.Callback):
 
     def read(self, index: int, grads: tuple[torch.Tensor | None, ...]) -> None:
         grad = grads[index]
-        if self.sums and grad is not None:
-            self.taken.append(grad.sum())
+        if grad is not None:
+            self.take(grad)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.handles.remove()
+        for found in self.matrices.values():
+            if found[1]:
+                self.reduce(found)
         if self.taken:
-            torch.stack(self.taken).tolist()
+            torch.cat([t.reshape(-1) for t in self.taken]).tolist()
             self.taken = []
 
 
@@ -174,7 +209,7 @@ def run(workload: str, steps: int, every: int, histograms: bool, floor: str | No
     model, data = WORKLOADS[workload]()
     callbacks: list[pl.Callback]
     if floor is not None:
-        callbacks = [Floor(every, sums=floor == "sums")]
+        callbacks = [Floor(every, floor)]
     else:
         callbacks = [GradStats(log_every_n_steps=every, histograms=histograms)]
         callbacks.append(ActivationStats(log_every_n_steps=every, histograms=histograms))
@@ -265,7 +300,7 @@ def main() -> None:
         help="also time the least that observing every output and output gradient costs (see Floor)",
     )
     parser.add_argument("--child", metavar="WORKLOAD", help=argparse.SUPPRESS)
-    parser.add_argument("--floor-of", choices=["hooks", "sums"], help=argparse.SUPPRESS)
+    parser.add_argument("--floor-of", choices=["hooks", "sums", "rows"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -276,7 +311,11 @@ def main() -> None:
     }
     if args.before is not None:
         bases = {f"before ({args.before})": lambda: package_of(args.before), **bases}
-    floors = {"hooks that do nothing (floor)": "hooks", "hooks + one sum per tensor (floor)": "sums"}
+    floors = {
+        "hooks that do nothing (floor)": "hooks",
+        "hooks + one sum per tensor (floor)": "sums",
+        "hooks + copies + six statistics in rows (floor)": "rows",
+    }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*bases, *(floors if args.floor else ())]}
     for _ in range(args.repeats):
         for name, base in bases.items():

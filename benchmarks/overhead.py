@@ -11,7 +11,8 @@ a ResNet-style CNN with 28 modules, and (``--workloads encoder24``, not run by d
 loop (the limit), the Lightning fit without callbacks, each callback alone and all five together
 at each logging frequency, ``HealthMonitor`` with every check and without ``loss_spike`` (the one
 check that keeps something on every step), an empty ``Callback`` (what Lightning charges any callback),
-``gradient_clip_val`` (value clipping), and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
+``gradient_clip_val`` (value clipping), torch's multi-tensor clamp alone (the floor under ``GradClamp``),
+and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
 
 Two measures:
 
@@ -130,6 +131,7 @@ def variants(frequencies: list[int]) -> list[Variant]:
     found.append(Variant(f"all five, figures=False @{every}", lambda: all_five(every, figures=False), every=every))
     clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
     found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
+    found.append(Variant(f"torch's foreach clamp alone @{every}", lambda: [ForeachClamp()], every=every))
     if _wandb_available():
         found += [
             Variant(f"wandb logger @{every}", wandb=True, every=every),
@@ -151,6 +153,17 @@ def all_five(every: int, figures: bool = True) -> list[pl.Callback]:
         ActivationStats(log_every_n_steps=every, figures=figures),
         NonFiniteGuard(check_every_n_steps=every),
     ]
+
+
+class ForeachClamp(pl.Callback):
+    """The least clamping every gradient costs: torch's two multi-tensor clamps before each optimizer step, with no
+    gate, no count of clamped values and no logging (what ``GradClamp`` runs underneath). On CPU each of the two
+    loops over the tensors, one kernel per tensor: a floor that grows with the count of parameter tensors."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        torch._foreach_clamp_min_(grads, -CLAMP)
+        torch._foreach_clamp_max_(grads, CLAMP)
 
 
 def _wandb_available() -> bool:
