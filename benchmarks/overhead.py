@@ -160,8 +160,14 @@ class ForeachClamp(pl.Callback):
     gate, no count of clamped values and no logging (what ``GradClamp`` runs underneath). On CPU each of the two
     loops over the tensors, one kernel per tensor: a floor that grows with the count of parameter tensors."""
 
+    def __init__(self) -> None:
+        self.params: list[torch.nn.Parameter] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.params = list(pl_module.parameters())  # once: walking 342 modules costs more than the clamps
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [grad for p in self.params if (grad := p.grad) is not None]
         torch._foreach_clamp_min_(grads, -CLAMP)
         torch._foreach_clamp_max_(grads, CLAMP)
 
