@@ -88,7 +88,16 @@ class Clock:
 def instrument(clock: Clock) -> None:
     from tensorboard.summary.writer import record_writer
 
-    for name in ("observe", "observe_many", "observe_rows", "_pooled", "histogram", "histograms", "sample"):
+    for name in (
+        "observe",
+        "observe_many",
+        "observe_rows",
+        "_pooled",
+        "histogram",
+        "histograms",
+        "histogram_rows",
+        "sample",
+    ):
         clock.wrap(_stats, name, "reductions")
     clock.wrap(_stats.StatBatch, "_reduce", "reductions")  # the row-wise reductions of queued copies
     clock.wrap(_gradients._UpdateRatio, "__call__", "reductions")
@@ -133,18 +142,26 @@ class Floor(pl.Callback):
       what was taken), and full matrices are reduced to the six statistics by the callbacks' own
       kernels (:func:`~lightning_hooks._stats.observe_rows`; larger tensors by
       :func:`~lightning_hooks._stats.observe`), one transfer at the end: the statistics of
-      outputs and output gradients with no key, no pooling and no matrix allocated during the step.
+      outputs and output gradients with no key, no pooling and no matrix allocated during the step (a
+      tensor taken again unchanged, a block's output that is its last child's, is taken once, as theirs).
 
+    With ``histograms`` (``"rows"`` only) each full matrix is also counted into 64 buckets per row
+    (:func:`~lightning_hooks._stats.histogram_rows`, on a copy of the rows in a buffer kept all fit: no
+    sample of its own).
     No parameter statistics, no tags, no events.
     """
 
-    def __init__(self, every: int, kind: str) -> None:
-        self.every, self.kind = every, kind
+    def __init__(self, every: int, kind: str, histograms: bool = False) -> None:
+        self.every, self.kind, self.histograms = every, kind, histograms
         self.modules: list[torch.nn.Module] = []
         self.handles = HookHandles()
         self.taken: list[torch.Tensor] = []
         self.matrices: dict[torch.Size, list[Any]] = {}
-        """Per shape, a float32 matrix of ``ROW_CHUNK`` elements and how many of its rows are taken (kept all fit)."""
+        """Per shape, a float32 matrix of ``ROW_CHUNK`` elements, its rows and how many are taken (kept all fit)."""
+        self.last: tuple[torch.Tensor | None, int] = (None, 0)
+        self.scratch = torch.empty(_stats.ROW_CHUNK)
+        """Where the rows are counted into histograms (``histogram_rows`` overwrites them): fresh memory would cost
+        a page fault per 4 KB."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.modules = [module for _, module in ModuleSelector().select(pl_module)]  # once, as the callbacks do
@@ -157,28 +174,37 @@ class Floor(pl.Callback):
 
     def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor):
-            self.take(output.detach())
+            self.take(output)
 
     def take(self, t: torch.Tensor) -> None:
         if self.kind == "sums":
-            self.taken.append(t.sum())
+            self.taken.append(t.detach().sum())
         elif self.kind == "rows":
+            if t is self.last[0] and t._version == self.last[1]:  # a block's output is its last child's: once
+                return
+            self.last = (t, t._version)
             if t.numel() > _stats.ROW_MAX:
                 self.taken.append(_stats.observe(t).raw)  # type: ignore[arg-type]
+                if self.histograms:
+                    self.taken.append(_stats.histogram(_stats.sample(t), 64))
                 return
             found = self.matrices.get(t.shape)
             if found is None:
-                found = self.matrices[t.shape] = [torch.empty(_stats.ROW_CHUNK // t.numel(), t.numel()), 0]
-            matrix, taken = found
-            matrix[taken].copy_(t.reshape(-1))
-            found[1] = taken + 1
-            if found[1] == len(matrix):
+                matrix = torch.empty(_stats.ROW_CHUNK // t.numel(), *t.shape)
+                found = self.matrices[t.shape] = [matrix, matrix.unbind(0), 0]
+            matrix, rows, taken = found
+            rows[taken].copy_(t.detach())
+            found[2] = taken + 1
+            if found[2] == len(rows):
                 self.reduce(found)
 
     def reduce(self, found: list[Any]) -> None:
-        matrix, taken = found
-        self.taken.append(_stats.observe_rows(matrix[:taken]))
-        found[1] = 0
+        matrix, _, taken = found
+        rows = matrix[:taken].view(taken, -1)
+        if self.histograms:  # counted from the rows' copy: no sample of its own, one count per row
+            self.taken.append(_stats.histogram_rows(self.scratch[: rows.numel()].view_as(rows).copy_(rows), 64))
+        self.taken.append(_stats.observe_rows(rows))
+        found[2] = 0
 
     def gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
@@ -191,8 +217,9 @@ class Floor(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.handles.remove()
+        self.last = (None, 0)
         for found in self.matrices.values():
-            if found[1]:
+            if found[2]:
                 self.reduce(found)
         if self.taken:
             torch.cat([t.reshape(-1) for t in self.taken]).tolist()
@@ -209,7 +236,7 @@ def run(workload: str, steps: int, every: int, histograms: bool, floor: str | No
     model, data = WORKLOADS[workload]()
     callbacks: list[pl.Callback]
     if floor is not None:
-        callbacks = [Floor(every, floor)]
+        callbacks = [Floor(every, floor, histograms)]
     else:
         callbacks = [GradStats(log_every_n_steps=every, histograms=histograms)]
         callbacks.append(ActivationStats(log_every_n_steps=every, histograms=histograms))
