@@ -143,17 +143,21 @@ class Floor(pl.Callback):
       kernels (:func:`~lightning_hooks._stats.observe_rows`; larger tensors by
       :func:`~lightning_hooks._stats.observe`), one transfer at the end: the statistics of
       outputs and output gradients with no key, no pooling and no matrix allocated during the step (a
-      tensor taken again unchanged, a block's output that is its last child's, is taken once, as theirs).
+      tensor taken again unchanged, a block's output that is its last child's, is taken once, as theirs);
+    * ``"params"``: ``"rows"``, and before the optimizer step every parameter gradient the same way
+      (what ``GradStats`` reports of them besides: update ratios, is left out).
 
-    With ``histograms`` (``"rows"`` only) each full matrix is also counted into 64 buckets per row
+    With ``histograms`` (``"rows"`` and ``"params"``) each full matrix is also counted into 64 buckets per row
     (:func:`~lightning_hooks._stats.histogram_rows`, on a copy of the rows in a buffer kept all fit: no
     sample of its own).
-    No parameter statistics, no tags, no events.
+    No tags, no events.
     """
 
     def __init__(self, every: int, kind: str, histograms: bool = False) -> None:
         self.every, self.kind, self.histograms = every, kind, histograms
+        self.logging = False
         self.modules: list[torch.nn.Module] = []
+        self.params: list[torch.nn.Parameter] = []
         self.handles = HookHandles()
         self.taken: list[torch.Tensor] = []
         self.matrices: dict[torch.Size, list[Any]] = {}
@@ -165,9 +169,11 @@ class Floor(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.modules = [module for _, module in ModuleSelector().select(pl_module)]  # once, as the callbacks do
+        self.params = [param for param in pl_module.parameters() if param.requires_grad]
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.every:
+        self.logging = trainer.global_step % self.every == 0
+        if not self.logging:
             return
         self.handles.add_forward_hooks([(module, self.output) for module in self.modules])
         self.handles.add_forward_hooks([(module, self.gradient) for module in self.modules])
@@ -179,7 +185,7 @@ class Floor(pl.Callback):
     def take(self, t: torch.Tensor) -> None:
         if self.kind == "sums":
             self.taken.append(t.detach().sum())
-        elif self.kind == "rows":
+        elif self.kind in ("rows", "params"):
             if t is self.last[0] and t._version == self.last[1]:  # a block's output is its last child's: once
                 return
             self.last = (t, t._version)
@@ -214,6 +220,12 @@ class Floor(pl.Callback):
         grad = grads[index]
         if grad is not None:
             self.take(grad)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.logging and self.kind == "params":
+            for param in self.params:
+                if param.grad is not None:
+                    self.take(param.grad)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.handles.remove()
@@ -327,7 +339,7 @@ def main() -> None:
         help="also time the least that observing every output and output gradient costs (see Floor)",
     )
     parser.add_argument("--child", metavar="WORKLOAD", help=argparse.SUPPRESS)
-    parser.add_argument("--floor-of", choices=["hooks", "sums", "rows"], help=argparse.SUPPRESS)
+    parser.add_argument("--floor-of", choices=["hooks", "sums", "rows", "params"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -342,6 +354,7 @@ def main() -> None:
         "hooks that do nothing (floor)": "hooks",
         "hooks + one sum per tensor (floor)": "sums",
         "hooks + copies + six statistics in rows (floor)": "rows",
+        "the same + parameter gradients (floor)": "params",
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*bases, *(floors if args.floor else ())]}
     for _ in range(args.repeats):

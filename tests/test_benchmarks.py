@@ -84,6 +84,7 @@ def test_the_logging_step_split_prints_every_part() -> None:
         "| hooks that do nothing (floor)",
         "| hooks + one sum per tensor (floor)",
         "| hooks + copies + six statistics in rows (floor)",
+        "| the same + parameter gradients (floor)",
     ]
     assert "reduction kernels | host work per key | event writing | writer thread" in out
 
