@@ -137,17 +137,17 @@ class Floor(pl.Callback):
       (registration, ``nn.Module.__call__``'s slow path, autograd calling Python);
     * ``"sums"``: each takes one reduction of each tensor (its sum), brought to the host in one
       transfer: one operator per tensor, against the six statistics the callbacks derive;
-    * ``"rows"``: each copies each tensor into the next row of a matrix kept for its shape (as
-      :class:`~lightning_hooks._stats.StatBatch` does: an in-place op after the hook must not change
-      what was taken), and full matrices are reduced to the six statistics by the callbacks' own
+    * ``"rows"``: each copies each tensor into the next row of the bucket kept for its shape (the
+      one :class:`~lightning_hooks._stats.StatBatch` uses: an in-place op after the hook must not change
+      what was taken), and full buckets are reduced to the six statistics by the callbacks' own
       kernels (:func:`~lightning_hooks._stats.observe_rows`; larger tensors by
       :func:`~lightning_hooks._stats.observe`), one transfer at the end: the statistics of
-      outputs and output gradients with no key, no pooling and no matrix allocated during the step (a
+      outputs and output gradients with no key, no pooling and no buffer allocated during the step (a
       tensor taken again unchanged, a block's output that is its last child's, is taken once, as theirs);
     * ``"params"``: ``"rows"``, and before the optimizer step every parameter gradient the same way
       (what ``GradStats`` reports of them besides: update ratios, is left out).
 
-    With ``histograms`` (``"rows"`` and ``"params"``) each full matrix is also counted into 64 buckets per row
+    With ``histograms`` (``"rows"`` and ``"params"``) the rows of each full bucket are also counted into 64 bins each
     (:func:`~lightning_hooks._stats.histogram_rows`, on a copy of the rows in a buffer kept all fit: no
     sample of its own).
     No tags, no events.
@@ -160,8 +160,8 @@ class Floor(pl.Callback):
         self.params: list[torch.nn.Parameter] = []
         self.handles = HookHandles()
         self.taken: list[torch.Tensor] = []
-        self.matrices: dict[torch.Size, list[Any]] = {}
-        """Per shape, a float32 matrix of ``ROW_CHUNK`` elements, its rows and how many are taken (kept all fit)."""
+        self.buckets: dict[torch.Size, _stats._Bucket] = {}
+        """Per shape, the callbacks' bucket of rows over ``ROW_CHUNK`` float32 elements, kept all fit."""
         self.last: tuple[torch.Tensor | None, int] = (None, 0)
         self.scratch = torch.empty(_stats.ROW_CHUNK)
         """Where the rows are counted into histograms (``histogram_rows`` overwrites them): fresh memory would cost
@@ -194,23 +194,20 @@ class Floor(pl.Callback):
                 if self.histograms:
                     self.taken.append(_stats.histogram(_stats.sample(t), 64))
                 return
-            found = self.matrices.get(t.shape)
-            if found is None:
-                matrix = torch.empty(_stats.ROW_CHUNK // t.numel(), *t.shape)
-                found = self.matrices[t.shape] = [matrix, matrix.unbind(0), 0]
-            matrix, rows, taken = found
-            rows[taken].copy_(t.detach())
-            found[2] = taken + 1
-            if found[2] == len(rows):
-                self.reduce(found)
+            bucket = self.buckets.get(t.shape)
+            if bucket is None:
+                bucket = self.buckets[t.shape] = _stats._Bucket(torch.empty(_stats.ROW_CHUNK), t.shape)
+            bucket.slot().copy_(t.detach())
+            bucket.taken += 1
+            if bucket.taken == bucket.capacity:
+                self.reduce(bucket)
 
-    def reduce(self, found: list[Any]) -> None:
-        matrix, _, taken = found
-        rows = matrix[:taken].view(taken, -1)
+    def reduce(self, bucket: _stats._Bucket) -> None:
+        rows = bucket.copies[: bucket.taken].view(bucket.taken, -1)
         if self.histograms:  # counted from the rows' copy: no sample of its own, one count per row
             self.taken.append(_stats.histogram_rows(self.scratch[: rows.numel()].view_as(rows).copy_(rows), 64))
         self.taken.append(_stats.observe_rows(rows))
-        found[2] = 0
+        bucket.taken = 0  # its row views serve again
 
     def gradient(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
@@ -230,9 +227,9 @@ class Floor(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.handles.remove()
         self.last = (None, 0)
-        for found in self.matrices.values():
-            if found[2]:
-                self.reduce(found)
+        for bucket in self.buckets.values():
+            if bucket.taken:
+                self.reduce(bucket)
         if self.taken:
             torch.cat([t.reshape(-1) for t in self.taken]).tolist()
             self.taken = []
