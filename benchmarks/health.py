@@ -51,7 +51,7 @@ from examples.numnet import NumDataModule, NumNet  # noqa: E402
 from examples.resnet import DigitsResNet  # noqa: E402
 from examples.transformer import TinyTransformerLM, TokenDataModule  # noqa: E402
 from lightning_hooks import HealthMonitor  # noqa: E402
-from lightning_hooks._health import CHECKS, HealthFinding  # noqa: E402
+from lightning_hooks.diagnose.health import CHECKS, HealthFinding  # noqa: E402
 
 EVERY = 10
 

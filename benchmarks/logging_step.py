@@ -51,9 +51,12 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from benchmarks.overhead import WORKLOADS, quiet  # noqa: E402
-from lightning_hooks import ActivationStats, GradStats, _gradients, _sink, _stats  # noqa: E402
-from lightning_hooks._handles import HookHandles  # noqa: E402
-from lightning_hooks._select import ModuleSelector  # noqa: E402
+from lightning_hooks import ActivationStats, GradStats  # noqa: E402
+from lightning_hooks.core.handles import HookHandles  # noqa: E402
+from lightning_hooks.core.select import ModuleSelector  # noqa: E402
+from lightning_hooks.recorders import gradients as _gradients  # noqa: E402
+from lightning_hooks.sinks import sink as _sink  # noqa: E402
+from lightning_hooks.stats import batch as _stats  # noqa: E402
 
 PARTS = ("reductions", "events", "writer thread")
 
@@ -105,7 +108,7 @@ def instrument(clock: Clock) -> None:
     clock.wrap(_sink.TensorBoardBackend, "layout", "events")
     clock.wrap(record_writer.RecordWriter, "write", "writer thread")
     with contextlib.suppress(ImportError):
-        from lightning_hooks._events import CRecordWriter
+        from lightning_hooks.sinks.events import CRecordWriter
 
         clock.wrap(CRecordWriter, "write", "writer thread")
 
@@ -138,17 +141,17 @@ class Floor(pl.Callback):
     * ``"sums"``: each takes one reduction of each tensor (its sum), brought to the host in one
       transfer: one operator per tensor, against the six statistics the callbacks derive;
     * ``"rows"``: each copies each tensor into the next row of the bucket kept for its shape (the
-      one :class:`~lightning_hooks._stats.StatBatch` uses: an in-place op after the hook must not change
+      one :class:`~lightning_hooks.stats.batch.StatBatch` uses: an in-place op after the hook must not change
       what was taken), and full buckets are reduced to the six statistics by the callbacks' own
-      kernels (:func:`~lightning_hooks._stats.observe_rows`; larger tensors by
-      :func:`~lightning_hooks._stats.observe`), one transfer at the end: the statistics of
+      kernels (:func:`~lightning_hooks.stats.batch.observe_rows`; larger tensors by
+      :func:`~lightning_hooks.stats.batch.observe`), one transfer at the end: the statistics of
       outputs and output gradients with no key, no pooling and no buffer allocated during the step (a
       tensor taken again unchanged, a block's output that is its last child's, is taken once, as theirs);
     * ``"params"``: ``"rows"``, and before the optimizer step every parameter gradient the same way
       (what ``GradStats`` reports of them besides: update ratios, is left out).
 
     With ``histograms`` (``"rows"`` and ``"params"``) the rows of each full bucket are also counted into 64 bins each
-    (:func:`~lightning_hooks._stats.histogram_rows`, on a copy of the rows in a buffer kept all fit: no
+    (:func:`~lightning_hooks.stats.batch.histogram_rows`, on a copy of the rows in a buffer kept all fit: no
     sample of its own).
     No tags, no events.
     """

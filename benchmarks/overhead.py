@@ -78,7 +78,7 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
-from lightning_hooks._health import CHECKS  # noqa: E402
+from lightning_hooks.diagnose.health import CHECKS  # noqa: E402
 
 QUIET_CHECKS = [c for c in CHECKS if c != "loss_spike"]
 """Every check but the one that keeps something on every step."""

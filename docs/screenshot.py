@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.health import Case, run
 from examples.digits import DigitsCNN, DigitsDataModule
-from tests.tb_server import DIGITS_RUN, chromium, screenshot, tensorboard_server, train_digits, wait_for_run
+from tests.support.tb_server import DIGITS_RUN, chromium, screenshot, tensorboard_server, train_digits, wait_for_run
 
 DOCS = Path(__file__).parent
 DASHBOARDS = {

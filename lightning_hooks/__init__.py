@@ -10,10 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_hooks._finding import Finding
-from lightning_hooks._finite import find_nonfinite
-from lightning_hooks._health import HealthFinding
-from lightning_hooks._shapes import ShapeRow, format_table, trace_shapes
+from lightning_hooks.diagnose.finding import Finding
+from lightning_hooks.diagnose.health import HealthFinding
+from lightning_hooks.recorders.finite import find_nonfinite
+from lightning_hooks.recorders.shapes import ShapeRow, format_table, trace_shapes
 
 if TYPE_CHECKING:
     from lightning_hooks.callbacks import (

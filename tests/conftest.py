@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tb_server import DIGITS_RUN, Server, tensorboard_server, train_digits, wait_for_run
+from tests.support.tb_server import DIGITS_RUN, Server, tensorboard_server, train_digits, wait_for_run
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--update-golden",
         action="store_true",
         default=False,
-        help="rewrite the golden files under tests/golden/ from the current output instead of comparing",
+        help="rewrite the golden files under tests/support/golden/ from the current output instead of comparing",
     )
 
 

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Literal
 
 from typing_extensions import override
 
-from lightning_hooks._activations import ActivationRecorder
-from lightning_hooks._compiled import Region
-from lightning_hooks.callbacks._base import StatsCallback
+from lightning_hooks.callbacks.base import StatsCallback
+from lightning_hooks.core.compiled import Region
+from lightning_hooks.recorders.activations import ActivationRecorder
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

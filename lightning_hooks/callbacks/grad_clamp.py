@@ -10,11 +10,11 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_hooks import _validate
-from lightning_hooks._clamp import GradClamper
-from lightning_hooks._select import trainable_parameters
-from lightning_hooks._shards import is_sharded
-from lightning_hooks.callbacks._base import HookCallback, loss_scaler, refuse_sharded
+from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.select import trainable_parameters
+from lightning_hooks.core.shards import is_sharded
+from lightning_hooks.recorders.clamp import GradClamper
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

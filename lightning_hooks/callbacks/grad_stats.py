@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from typing_extensions import override
 
-from lightning_hooks import _validate
-from lightning_hooks._compiled import Region
-from lightning_hooks._gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
-from lightning_hooks._handles import HookHandles
-from lightning_hooks._select import trainable_parameters
-from lightning_hooks._shards import is_sharded
-from lightning_hooks._stats import STATS, State, norm_total
-from lightning_hooks.callbacks._base import StatsCallback, loss_scaler, refuse_sharded
+from lightning_hooks.callbacks.base import StatsCallback, loss_scaler, refuse_sharded
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.compiled import Region
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.select import trainable_parameters
+from lightning_hooks.core.shards import is_sharded
+from lightning_hooks.recorders.gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
+from lightning_hooks.stats.batch import STATS, State, norm_total
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
 OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
 SHARDED_GROUPS = ("param", "update", "weight")
-"""What :class:`~lightning_hooks._gradients.ParamGradRecorder` observes of sharded parameters, shard by shard."""
+"""What :class:`ParamGradRecorder` observes of sharded parameters, shard by shard."""
 
 
 class GradStats(StatsCallback):

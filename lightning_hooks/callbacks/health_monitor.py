@@ -9,19 +9,19 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks import _validate
-from lightning_hooks._activations import UnitRecorder
-from lightning_hooks._autograd import dense_gradient
-from lightning_hooks._compiled import Region
-from lightning_hooks._gradients import ParamGradRecorder, gradient_norms
-from lightning_hooks._handles import HookHandles
-from lightning_hooks._health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
-from lightning_hooks._health_report import COLUMNS, rows, summary, warning
-from lightning_hooks._select import label, trainable_parameters
-from lightning_hooks._shards import counted_part, is_sharded, local
-from lightning_hooks._sink import echo
-from lightning_hooks._stats import STATS, Fetched, State, combine
-from lightning_hooks.callbacks._base import StatsCallback, refuse_sharded, report_silent_modules
+from lightning_hooks.callbacks.base import StatsCallback, refuse_sharded, report_silent_modules
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.autograd import dense_gradient
+from lightning_hooks.core.compiled import Region
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.select import label, trainable_parameters
+from lightning_hooks.core.shards import counted_part, is_sharded, local
+from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
+from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
+from lightning_hooks.recorders.activations import UnitRecorder
+from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
+from lightning_hooks.sinks.sink import echo
+from lightning_hooks.stats.batch import STATS, Fetched, State, combine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

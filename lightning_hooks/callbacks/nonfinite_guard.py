@@ -15,14 +15,14 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks import _validate
-from lightning_hooks._compiled import eager_stance, has_compiled, run_eager
-from lightning_hooks._finding import Finding, Reading, first_finding, with_parameters
-from lightning_hooks._finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
-from lightning_hooks._replay import MicroBatch, RngState, replay, training_flags
-from lightning_hooks._select import named_parameters
-from lightning_hooks._shards import local
-from lightning_hooks.callbacks._base import HookCallback, loss_scaler
+from lightning_hooks.callbacks.base import HookCallback, loss_scaler
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.compiled import eager_stance, has_compiled, run_eager
+from lightning_hooks.core.select import named_parameters
+from lightning_hooks.core.shards import local
+from lightning_hooks.diagnose.finding import Finding, Reading, first_finding, with_parameters
+from lightning_hooks.diagnose.replay import MicroBatch, RngState, replay, training_flags
+from lightning_hooks.recorders.finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,7 +56,7 @@ class NonFiniteGuard(HookCallback):
     attached; a *sentinel* checks the step in ``on_before_optimizer_step`` (after AMP unscaling
     and after DDP's all-reduce of the gradients): one fused on-device reduction of the parameter
     gradients (``torch._foreach_norm``; on a CPU their sum over them end to end, see
-    :func:`~lightning_hooks._finite.finite_step`) stacked with the losses of the step's
+    :func:`~lightning_hooks.recorders.finite.finite_step`) stacked with the losses of the step's
     micro-batches, read with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
     All the sentinel keeps meanwhile is a reference to each micro-batch (never a copy), the
     random-number-generator states (CPU, and the accelerator's) and the train/eval flags each

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks import _validate
-from lightning_hooks._compiled import has_compiled, run_eager
-from lightning_hooks._nested import Signature, format_signature, leaf_shapes, signature
-from lightning_hooks._select import type_label
-from lightning_hooks._shapes import ShapeRecorder, format_table, parameter_count, shape_table
-from lightning_hooks._sink import echo
-from lightning_hooks.callbacks._base import HookCallback, report_silent_modules
+from lightning_hooks.callbacks.base import HookCallback, report_silent_modules
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.compiled import has_compiled, run_eager
+from lightning_hooks.core.nested import Signature, format_signature, leaf_shapes, signature
+from lightning_hooks.core.select import type_label
+from lightning_hooks.recorders.shapes import ShapeRecorder, format_table, parameter_count, shape_table
+from lightning_hooks.sinks.sink import echo
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -1,0 +1,421 @@
+"""What every hook callback shares: selection, the step gate and the hook lifecycle."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks.callbacks.dashboard import FIGURE_PERIOD_FACTOR, Dashboard
+from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.compiled import Pending, Region, Regions
+from lightning_hooks.core.gate import StepGate
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.select import ModuleSelector, label
+from lightning_hooks.sinks.sink import Sink
+from lightning_hooks.stats.batch import Across, Histogram, Key, StatBatch, State, derived_table
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def refuse_sharded(strategy: object, what: str, fix: str) -> None:
+    """Refuse FSDP1 (``FSDPStrategy``), under which ``what`` cannot be correct: it flattens parameters
+    into sharded flat buffers, so a parameter's tensor hooks do not fire and the gradient of an
+    original parameter is a view of a flat shard. FSDP2 (``ModelParallelStrategy`` with
+    ``fully_shard``) keeps each parameter a ``DTensor``, which the callbacks read shard by shard."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        raise MisconfigurationException(
+            f"{what} does not support `strategy=FSDPStrategy` (FSDP1): it flattens parameters into sharded flat "
+            f"buffers, so per-parameter gradient hooks do not fire and a shard's gradient is not the parameter's. "
+            f"Either {fix}, shard with `ModelParallelStrategy` (FSDP2: `fully_shard` in `configure_model`), which "
+            f"{what} supports, or use DDP."
+        )
+
+
+def refuse_tensor_parallel(strategy: object, owner: str) -> None:
+    """Refuse ``ModelParallelStrategy`` with a tensor-parallel dimension: callbacks pool over every
+    process, which would count the values each tensor-parallel rank replicates several times."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        size = strategy.device_mesh["tensor_parallel"].size()
+        if size > 1:
+            raise MisconfigurationException(
+                f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
+                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
+                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
+                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
+                f"`fully_shard` in `configure_model`, or DDP."
+            )
+
+
+_SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
+"""Per Trainer, during a fit, the sets of silent modules already named (by any of its callbacks)."""
+
+
+def report_silent_modules(
+    trainer: pl.Trainer, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
+) -> None:
+    """Warn, once per fit and set of names whichever callback finds them, about selected
+    modules whose hooks did not fire during a recorded training step."""
+    # A container without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called.
+    silent = tuple(name for name, m in selected if name not in fired and type(m).forward is not nn.Module.forward)
+    reported = _SILENT_REPORTED.setdefault(trainer, set())
+    if not silent or silent in reported:
+        return
+    reported.add(silent)
+    pl_module = trainer.lightning_module
+    shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
+    compile_hint = (
+        "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
+        "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
+        "instead, whose regions are observed. "
+        if compiled
+        else ""
+    )
+    rank_zero_warn(
+        f"lightning_hooks: {len(silent)} selected module(s) never ran in training step {step}, so there is nothing "
+        f"to show for them: {shown}. {compile_hint}Other causes: a module unused in `forward`, or a fused fast path "
+        f"that skips submodules (`nn.TransformerEncoder` in eval mode). Leave them out with `exclude=[...]` or "
+        f"`types=[...]` to silence this."
+    )
+
+
+class HookCallback(Callback):
+    """Base of the callbacks: hooks attach in ``on_fit_start`` and leave on every exit path.
+
+    Modules are selected once per fit in ``on_fit_start`` and kept in ``self._modules``.
+    Subclasses implement :meth:`_attach`; hooks that must run on every step (a gradient clamp)
+    are registered there with ``self._handles``. Hooks that only observe are registered with
+    ``self._step_handles`` at the start of the steps that need them and removed at their end,
+    so that on every other step each module takes ``nn.Module.__call__``'s hook-free fast path.
+    Both owners are emptied on every exit path of a fit: success, exception, interrupt, teardown.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int | None,
+        include: list[str] | None,
+        exclude: list[str] | None,
+        types: list[str] | None,
+        max_depth: int | None,
+    ) -> None:
+        owner = type(self).__name__
+        _validate.positive_int(owner, "log_every_n_steps", log_every_n_steps)
+        self.log_every_n_steps = log_every_n_steps
+        self.selector = ModuleSelector(include, exclude, types, max_depth, owner=owner)
+        self._state_key = self._generate_state_key(
+            include=self.selector.include,
+            exclude=self.selector.exclude,
+            types=self.selector.types,
+            max_depth=self.selector.max_depth,
+            log_every_n_steps=log_every_n_steps,
+        )
+        self._handles = HookHandles()
+        self._step_handles = HookHandles()
+        self._regions = Regions()
+        """The compiled regions this callback hooks into during a fit (see :mod:`lightning_hooks.core.compiled`)."""
+        self._modules: list[tuple[str, nn.Module]] = []
+        self._sink = Sink(owner)
+        self.gate = StepGate()
+        """Which optimizer step the callback is recording, if any."""
+        self.batch_step = -1
+        """The optimizer step :meth:`due_step` last read (the current batch's while the gate is closed)."""
+
+    def every(self, trainer: pl.Trainer) -> int:
+        """The logging period in optimizer steps."""
+        return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
+
+    def is_logging_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the training batch's optimizer step is a multiple of the period."""
+        return self.due_step(trainer) is not None
+
+    def due_step(self, trainer: pl.Trainer) -> int | None:
+        """The optimizer step if this is a logging step (see :meth:`is_logging_step`), else ``None``.
+
+        Called from the training-batch hooks on every batch while the gate is closed: it reads
+        ``trainer.global_step`` (a chain of properties in Lightning's loops) once, keeps it in
+        :attr:`batch_step`, and nothing else is read on a quiet batch (``trainer.training`` alone,
+        an enum comparison through lower-cased strings, costs three times as much: those hooks run
+        only in training anyway).
+        """
+        step = self.batch_step = trainer.global_step
+        return step if step % self.every(trainer) == 0 else None
+
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        raise NotImplementedError
+
+    def _remove_hooks(self) -> None:
+        self._step_handles.remove()
+        self._handles.remove()
+        self._regions.leave()  # after the hooks: each compiled region gets its own entry point back
+        self._modules = []
+
+    def _detach(self) -> None:
+        """End of a fit, however it ended: hooks go, per-fit state is reset."""
+        self._remove_hooks()
+        self.gate.reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to another process or saved must not drag the model along.
+        return {**self.__dict__, "_modules": [], "_regions": Regions()}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Two instances of one callback with different selections keep separate checkpoint state.
+        # Lightning reads this for every hook call (to name it for its profiler): build it once.
+        return self._state_key
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            refuse_tensor_parallel(trainer.strategy, type(self).__name__)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Checkpointed state was restored before this hook: keep it, only start the hooks afresh.
+        self._remove_hooks()
+        _SILENT_REPORTED.pop(trainer, None)  # every callback starts the fit before any step is recorded
+        self._modules = self.selector.select(pl_module)
+        self._attach(trainer, pl_module, self._modules)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._detach()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+
+class StatsCallback(HookCallback):
+    """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
+
+    Two regimes, chosen per module. Outside compiled code, ``_arm_step`` attaches the observing
+    recorders to ``self._eager_modules`` at the start of each training batch of a logging step
+    (their hooks go at its end): eager modules pay nothing on other steps. Modules inside a
+    ``torch.compile``'d region get their hooks once per fit from ``_attach_compiled``, switched
+    on by the region's flag for the batches of logging steps; what they compute inside the graph
+    waits in ``self._pending`` and is poured into the batch when each batch ends (see
+    :mod:`lightning_hooks.core.compiled`). ``_emit`` fetches and logs once the optimizer has
+    stepped. The states it logs also feed the TensorBoard custom-scalars layout of the run and,
+    every ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks.dashboard.Dashboard`).
+    """
+
+    bins = 64
+    needs_logger = True
+    """Whether the callback has nothing to do without a logger (``HealthMonitor`` still warns and keeps findings)."""
+
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int | None,
+        stats: Sequence[str] | None,
+        allowed_stats: Sequence[str],
+        histograms: bool,
+        include: list[str] | None,
+        exclude: list[str] | None,
+        types: list[str] | None,
+        max_depth: int | None,
+        figure_every_n_steps: int | None = None,
+        figures: bool = True,
+    ) -> None:
+        super().__init__(
+            log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
+        )
+        owner = type(self).__name__
+        _validate.positive_int(
+            owner, "figure_every_n_steps", figure_every_n_steps, none=f"{FIGURE_PERIOD_FACTOR} × the logging period"
+        )
+        self.figures = _validate.boolean(owner, "figures", figures)
+        if not figures and figure_every_n_steps is not None:
+            raise ValueError(
+                f"`{owner}` got `figure_every_n_steps={figure_every_n_steps}` with `figures=False`; give a figure "
+                f"period only when figures are drawn, or leave `figures=True`."
+            )
+        self.figure_every_n_steps = figure_every_n_steps
+        self._dashboard = Dashboard(owner, self._sink, figure_every_n_steps, self.figures)
+        self.stats = _validate.subset(owner, "stats", stats, allowed_stats) or list(allowed_stats)
+        self.histograms = _validate.boolean(owner, "histograms", histograms)
+        self._batch = StatBatch(self.bins)
+        self._pending = Pending()
+        self._eager_modules: list[tuple[str, nn.Module]] = []
+        """The selected modules outside compiled regions, hooked on logging steps only."""
+        self._enabled = True
+        self._fired: set[str] = set()
+        """Names of the selected modules whose recorder hooks ran in this fit."""
+        self._fired_checked = False
+        self._tag_cache: dict[tuple[str, str], list[str]] = {}
+        self._step_tags: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[str]] = {}
+        """The tags of a whole step's states, by prefix, keys and stats (a handful of entries)."""
+
+    def _start_step(self) -> None:
+        """A logging step begins (its first micro-batch)."""
+
+    def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
+        """Register the switched hooks of the modules inside compiled regions, for the whole fit."""
+        raise NotImplementedError
+
+    def _emit(self, trainer: pl.Trainer, step: int) -> None:
+        raise NotImplementedError
+
+    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
+        """After the first recorded step of a fit, name the selected modules whose hooks never fired."""
+        if not self._fired_checked:
+            self._fired_checked = True
+            report_silent_modules(trainer, self._modules, self._fired, step)
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        self._batch.clear()
+        self._fired.clear()
+        self._fired_checked = False
+        self._tag_cache, self._step_tags = {}, {}
+        self._pending.clear()
+        self._enabled = bool(trainer.loggers) or not self.needs_logger
+        self._dashboard.start(self.every(trainer))
+        if not self._enabled:
+            rank_zero_warn(
+                f"`{type(self).__name__}` has no logger to write to (`Trainer(logger=False)`); it does nothing."
+            )
+            return
+        self._eager_modules, compiled = self._regions.enter(pl_module, modules)
+        if compiled:
+            self._attach_compiled(compiled)
+
+    @override
+    def _detach(self) -> None:
+        super()._detach()
+        self._batch.clear()
+        self._pending.clear()
+        self._eager_modules = []
+        self._dashboard.reset()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._enabled:
+            return
+        if not self.gate.is_open:
+            step = self.due_step(trainer)
+            if step is None:
+                return
+            self.gate.begin(step, due=True)
+            self._batch.start()
+            self._start_step()
+        self._arm_step(trainer, pl_module)
+        self._regions.vote(self, True)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_handles.remove()
+        # Also on quiet batches: another callback may have switched on a compiled region this one hooks into.
+        self._pending.pour(self._batch, self._fired)
+        if not self.gate.is_open:  # a quiet batch: nothing was recorded
+            return
+        self._regions.vote(self, False)  # validation and the next batch run the quiet graphs unless voted on again
+        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
+        step = self.gate.end(trainer.global_step)
+        if step is None:  # more micro-batches of the step are to come
+            return
+        with self._sink.gathered(trainer):  # each logger gets the step's scalars, histograms and figures at once
+            self._emit(trainer, step)
+            self._dashboard.publish(trainer, self.every(trainer))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._enabled:
+            self._dashboard.finish(trainer)
+
+    def _across(self, trainer: pl.Trainer, groups: set[str]) -> Across | None:
+        """How to make the states of ``groups`` global when every rank saw its own shard of the batch.
+
+        One object all-gather to agree on the keys (data-dependent paths can differ between ranks),
+        then one sum and one max all-reduce, on logging steps only. Every rank must fetch with it.
+        """
+        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return None
+        strategy = trainer.strategy
+
+        def agree(mine: list[Key]) -> list[Key]:
+            gathered: list[list[Key] | None] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, mine)
+            return sorted({(group, name) for keys in gathered for group, name in keys or []})
+
+        def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+            reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
+            return strategy.reduce(tensor, reduce_op=reduce_op)
+
+        return Across(frozenset(groups), agree, reduce)
+
+    def _log_states(self, trainer: pl.Trainer, prefix: str, states: dict[str, State], step: int) -> None:
+        self._sink.scalars(trainer, self._metrics(prefix, states, self.stats), step)
+        self._dashboard.add_rows(prefix, states, step)
+
+    def _metrics(self, prefix: str, states: dict[str, State], stats: Sequence[str]) -> dict[str, float]:
+        """``{prefix}{stat}/{key}`` for each key and stat: tags made once per fit, statistics derived in one go."""
+        if not states:
+            return {}
+        table = derived_table(list(states.values()), stats)
+        keys = tuple(states)
+        if all(s.numel for s in states.values()):  # every step but odd ones: the step's tags, made once, in one zip
+            return dict(zip(self._step_tags_of(prefix, keys, stats), table.view(-1).tolist(), strict=True))
+        metrics: dict[str, float] = {}
+        for key, values, s in zip(keys, table.tolist(), states.values(), strict=True):
+            if s.numel:  # an empty state has no statistics
+                metrics.update(zip(self._tags(prefix, key, stats), values, strict=True))
+        return metrics
+
+    def _step_tags_of(self, prefix: str, keys: tuple[str, ...], stats: Sequence[str] = ("",)) -> list[str]:
+        """:meth:`_tags` of each of ``keys`` end to end: the tags of a whole step's values, made once per fit (a
+        callback logs the same keys at every logging step)."""
+        tags = self._step_tags.get((prefix, keys, tuple(stats)))
+        if tags is None:
+            if len(self._step_tags) >= 8:
+                self._step_tags.clear()
+            tags = [tag for key in keys for tag in self._tags(prefix, key, stats)]
+            self._step_tags[prefix, keys, tuple(stats)] = tags
+        return tags
+
+    def _tags(self, prefix: str, key: str, stats: Sequence[str] = ("",)) -> list[str]:
+        """``{prefix}{stat}/{key}`` for each stat (``{prefix}{key}`` by default), made once per fit."""
+        found = self._tag_cache.get((prefix, key))
+        if found is None:
+            found = self._tag_cache[prefix, key] = [f"{prefix}{stat}/{key}" if stat else prefix + key for stat in stats]
+        return found
+
+    def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[Key, Histogram], step: int) -> None:
+        """``{prefix}{name}`` for each key's histogram that counted something, sent together."""
+        kept = {name: hist for (_, name), hist in hists.items() if hist.num}
+        if kept:
+            tags = self._step_tags_of(prefix, tuple(kept))
+            self._sink.histograms(trainer, dict(zip(tags, kept.values(), strict=True)), step)

@@ -1,0 +1,143 @@
+"""What a statistics callback adds to TensorBoard besides its scalars: the layout and the figures."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_hooks.sinks import figures as _figures
+from lightning_hooks.sinks.sink import Sink
+from lightning_hooks.stats.batch import State
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import numpy as np
+    from numpy.typing import NDArray
+
+Rows = Mapping[str, State]
+
+
+def _gradient_flow(rows: Rows, step: int) -> NDArray[np.uint8] | None:
+    layers, mean_abs, max_abs = _figures.gradient_flow_series(rows)
+    return _figures.render_gradient_flow(layers, mean_abs, max_abs, step) if layers else None
+
+
+def _zero_fraction(rows: Rows, step: int) -> NDArray[np.uint8] | None:
+    layers, values = _figures.zero_fraction_series(rows)
+    return _figures.render_zero_fraction(layers, values, step) if layers else None
+
+
+FIGURES: dict[str, tuple[str, Callable[[Rows, int], NDArray[np.uint8] | None]]] = {
+    "grad_": ("figures/gradient_flow", _gradient_flow),
+    "act_": ("figures/activation_zero_frac", _zero_fraction),
+}
+"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, draw)}``."""
+
+FIGURE_PERIOD_FACTOR = 10
+"""Without ``figure_every_n_steps``, figures are drawn every this many logging periods..."""
+
+FIGURE_TIME_SHARE = 0.01
+"""... but no more often than keeps drawing them under this share of the fit's wall time."""
+
+
+class Dashboard:
+    """The custom-scalars layout and the figures of one statistics callback.
+
+    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at
+    the end of every training batch. On a step that logged, ``publish`` has the sink write the
+    run's layout when new tags appeared, and, when the step is a multiple of the figure period,
+    draws the figures of the states (rank zero only, for the loggers that show images:
+    TensorBoard, W&B, MLflow; without one it warns once if ``figure_every_n_steps`` was given,
+    and is silent for the default). Without
+    matplotlib it warns once and draws nothing; training goes on.
+
+    A figure costs a tenth of a second or more of matplotlib, which on a small model is the time
+    of dozens of training steps. So with the default period a figure is skipped while the time
+    since the last one is under ``1 / FIGURE_TIME_SHARE - 1`` times what that one took to draw;
+    the last skipped one is drawn by :meth:`finish` at the end of training, so the dashboard
+    always shows the final state. An explicit ``figure_every_n_steps`` is followed exactly.
+    """
+
+    def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
+        self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
+        self.figures = figures
+        """Whether figures are drawn at all (matplotlib is never imported otherwise)."""
+        self._rows: dict[str, Rows] = {}
+        self._step: int | None = None
+        self._can_draw = True
+        self._skipped: tuple[int, dict[str, Rows]] | None = None
+        self._next_draw = -math.inf  # time.monotonic() from which a default-period figure may be drawn
+
+    def figure_every(self, log_every: int) -> int:
+        """The figure period in optimizer steps, for a logging period of ``log_every``."""
+        return self.figure_every_n_steps or FIGURE_PERIOD_FACTOR * log_every
+
+    def start(self, log_every: int) -> None:
+        """A fit starts: forget pending rows; warn if figures cannot fall on every figure period."""
+        self.reset()
+        self._skipped, self._next_draw = None, -math.inf
+        every = self.figure_every(log_every)
+        if self.figures and every % log_every:
+            both = every * log_every // math.gcd(every, log_every)
+            rank_zero_warn(
+                f"`{self.owner}` got `figure_every_n_steps={every}`, which is not a multiple of the logging period "
+                f"({log_every} steps); figures are drawn on logging steps only, so every {both} steps."
+            )
+
+    def reset(self) -> None:
+        self._rows, self._step = {}, None
+
+    def add_rows(self, prefix: str, rows: Rows, step: int) -> None:
+        """The moment rows just logged under ``prefix`` at ``step``."""
+        if prefix in FIGURES and rows:
+            self._rows[prefix] = dict(rows)
+        self._step = step
+
+    def publish(self, trainer: pl.Trainer, log_every: int) -> None:
+        """Write what the rows handed over since the last call make; a no-op on steps that logged nothing."""
+        step, rows = self._step, self._rows
+        self.reset()
+        if step is None:
+            return
+        self.sink.layout(trainer, step)
+        if not rows or not self.figures or step % self.figure_every(log_every) or not self._can_draw:
+            return
+        if not self.sink.wants_figures(trainer, warn=self.figure_every_n_steps is not None):
+            return
+        if self.figure_every_n_steps is None and time.monotonic() < self._next_draw:
+            self._skipped = (step, rows)
+            return
+        self._draw(trainer, step, rows)
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Training ended: draw the last figure the time budget skipped, if no later one was drawn."""
+        if self._skipped is not None:
+            self._draw(trainer, *self._skipped)
+
+    def _draw(self, trainer: pl.Trainer, step: int, rows: Mapping[str, Rows]) -> None:
+        self._skipped = None
+        try:
+            _figures.require()
+        except ImportError:
+            self._can_draw = False
+            rank_zero_warn(
+                f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
+                f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
+            )
+            return
+        started = time.monotonic()
+        for prefix, prefix_rows in rows.items():
+            tag, draw = FIGURES[prefix]
+            image = draw(prefix_rows, step)
+            if image is not None:
+                self.sink.image(trainer, tag, image, step)
+            # A drawn figure is a web of reference cycles (tens of MB at hundreds of layers) that Python's
+            # collector may leave for many steps; collected now, the next figure reuses its memory.
+            gc.collect()
+        finished = time.monotonic()
+        self._next_draw = finished + (finished - started) * (1 / FIGURE_TIME_SHARE - 1)

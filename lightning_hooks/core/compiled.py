@@ -1,0 +1,307 @@
+"""Observing hooks inside ``torch.compile``'d regions: registered once, switched by a flag (pure torch).
+
+Compiled code does not see hooks that come and go: dynamo traces the hooks present when it
+compiles a region and, by default, does not guard on them. So inside a compiled region the
+observing hooks are not attached per logging step as in eager mode; they are registered once,
+before the region's first compiled call of the fit, and each is a :class:`Switched` hook that
+runs its body only while its region's :class:`Switch` is on. Dynamo inlines the hook, guards on
+the flag and so keeps two variants of the region's graph: the quiet one, in which the hook does
+nothing, and the logging one, in which the statistics are computed inside the graph and come out
+as its outputs (a :class:`Pending` list, poured into the callback's ``StatBatch`` after the step).
+
+A region that already ran compiled (a warm-up forward, an earlier fit) has graphs cached
+without the hooks. For the duration of a fit the region is therefore entered through a fresh
+function with a code object of its own (:meth:`Region.enter`): dynamo compiles it anew, with the
+hooks, and when the last user leaves, the region gets its own entry point back, with its own
+cache: it runs exactly as before, and the graphs that hold the hooks go with the fresh code.
+
+Regions are ``torch.compile(module)`` wrappers (``OptimizedModule``) anywhere in the model, and a
+LightningModule compiled whole (``trainer.fit(torch.compile(model))``, which Lightning unwraps
+into a module whose ``forward`` and step methods are compiled).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.select import is_compile_wrapper
+from lightning_hooks.stats.batch import Key, StatBatch, sample, state_row
+
+_STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+"""What Lightning compiles on a LightningModule passed to ``fit`` as ``torch.compile(model)``."""
+
+
+class Switch:
+    """One flag per compiled region, on while any of its voters records the step.
+
+    ``on`` is a plain attribute: dynamo guards on its value, so a region has one graph with the
+    hooks quiet and one with them recording.
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self._voters: set[int] = set()
+
+    def vote(self, voter: object, on: bool) -> None:
+        if on:
+            self._voters.add(id(voter))
+        else:
+            self._voters.discard(id(voter))
+        self.on = bool(self._voters)
+
+    def reset(self) -> None:
+        self._voters.clear()
+        self.on = False
+
+
+class Switched:
+    """A module hook that calls ``hook`` only while ``switch.on``; traceable, so dynamo inlines it."""
+
+    def __init__(self, switch: Switch, hook: Callable[..., Any]) -> None:
+        self.switch, self.hook = switch, hook
+
+    def __call__(self, *args: Any) -> Any:
+        if self.switch.on:
+            return self.hook(*args)
+        return None
+
+
+class Pending:
+    """States computed inside compiled graphs (:func:`state_row`), waiting for the step to end.
+
+    Its :meth:`add` has :meth:`StatBatch.add`'s signature, so a recorder's hook writes to either.
+    Traced code only appends to ``rows`` and ``fired``, lists that the region empties after each of
+    its calls (:meth:`settle`): every call starts from the same state, so the guards dynamo puts on
+    them hold and nothing recompiles however often the region runs in a step.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self.fired: list[str] = []
+        self._settled: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self._ran: set[str] = set()
+
+    def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
+        self.rows.append((key, state_row(t), sample(t) if histogram else None))
+
+    def settle(self) -> None:
+        """After a call of the region: keep what it produced apart from what the next call will."""
+        if self.rows or self.fired:
+            self._settled.extend(self.rows)
+            self._ran.update(self.fired)
+            self.rows, self.fired = [], []
+
+    def pour(self, batch: StatBatch, fired: set[str]) -> None:
+        """Hand everything to ``batch`` (which takes it only if open), the names that ran to ``fired``; forget it."""
+        if not (self._settled or self._ran or self.rows or self.fired):  # every quiet step
+            return
+        self.settle()
+        rows, self._settled = self._settled, []
+        fired.update(self._ran)
+        self._ran = set()
+        for key, row, sampled in rows:
+            batch.add_state(key, row, sampled)
+
+    def clear(self) -> None:
+        self.rows, self.fired, self._settled, self._ran = [], [], [], set()
+
+
+class _Entry:
+    """A region's entry point during a fit: its compiled function, then each :class:`Pending` settled."""
+
+    def __init__(self, compiled: Callable[..., Any], pendings: list[Pending]) -> None:
+        self.compiled, self.pendings = compiled, pendings
+        self.__wrapped__ = getattr(compiled, "__wrapped__", compiled)  # what Lightning's `is_overridden` reads
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compiled(*args, **kwargs)
+        finally:
+            for pending in self.pendings:
+                pending.settle()
+
+
+class Region:
+    """One compiled part of a model and the switch of the hooks inside it.
+
+    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module
+    whose code is compiled (the same LightningModule, or the wrapper's ``_orig_mod``); both are
+    held weakly. While at least one user has :meth:`enter`-ed, the region is called through a
+    fresh entry point (see the module's docstring); the last :meth:`leave` puts the original back.
+    """
+
+    def __init__(self, owner: nn.Module, module: nn.Module) -> None:
+        self._owner = weakref.ref(owner)
+        self._module = weakref.ref(module)
+        self.switch = Switch()
+        self.users = 0
+        self.pendings: list[Pending] = []
+        """Where the hooks inside the region leave their states; settled after each call."""
+        self._saved: dict[str, Any] = {}
+        self._members = {id(m) for m in module.modules()}
+
+    def settles(self, pending: Pending) -> None:
+        """Settle ``pending`` after each call of the region (see :class:`Pending`)."""
+        if all(p is not pending for p in self.pendings):
+            self.pendings.append(pending)
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return id(module) in self._members
+
+    def enter(self) -> None:
+        self.users += 1
+        owner, module = self._owner(), self._module()
+        if self.users > 1 or owner is None or module is None:
+            return
+        if is_compile_wrapper(owner):
+            attr = "_forward" if "_forward" in owner.__dict__ else "forward"  # lazy modules check first
+            self._saved = {attr: owner.__dict__[attr]}
+            setattr(owner, attr, _Entry(owner.dynamo_ctx(_fresh_call(module)), self.pendings))  # type: ignore[operator]
+            return
+        ctx: dict[str, Any] = owner.__dict__["_compiler_ctx"]
+        for method in _STEP_METHODS:
+            original = ctx.get(f"original_{method}")
+            if original is not None and method in owner.__dict__:
+                self._saved[method] = owner.__dict__[method]
+                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh_method(original)), self.pendings))
+
+    def leave(self) -> None:
+        self.users = max(self.users - 1, 0)
+        owner = self._owner()
+        if self.users or owner is None:
+            return
+        saved, self._saved = self._saved, {}
+        for attr, value in saved.items():
+            setattr(owner, attr, value)
+        self.switch.reset()
+        self.pendings.clear()
+
+
+_REGIONS: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
+"""The region of each compiled wrapper or LightningModule, shared by every callback that hooks into it."""
+
+
+def find_regions(model: nn.Module) -> list[Region]:
+    """The compiled regions of ``model``, outermost first (a region inside another is not listed)."""
+    found: list[Region] = []
+    for module in model.modules():
+        if any(module in r for r in found):
+            continue
+        if is_compile_wrapper(module):
+            inner: nn.Module = getattr(module, "_orig_mod")  # noqa: B009 (typed as a Tensor or a Module)
+        elif isinstance(getattr(module, "_compiler_ctx", None), dict):
+            inner = module
+        else:
+            continue
+        region = _REGIONS.get(module)
+        if region is None or not region.users:  # made afresh for each fit: a model can change between fits
+            region = _REGIONS[module] = Region(module, inner)
+        found.append(region)
+    return found
+
+
+class Regions:
+    """The regions a callback has entered in a fit, and the split of its modules between them and eager code."""
+
+    def __init__(self) -> None:
+        self.entered: list[Region] = []
+
+    def enter(
+        self, model: nn.Module, modules: Sequence[tuple[str, nn.Module]]
+    ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, Region]]]:
+        """Enter the regions of ``model`` that hold some of ``modules``; :meth:`split` ``modules`` between them."""
+        self.leave()
+        self.entered = [r for r in find_regions(model) if any(m in r for _, m in modules)]
+        for region in self.entered:
+            region.enter()
+        return self.split(modules)
+
+    def leave(self) -> None:
+        entered, self.entered = self.entered, []
+        for region in entered:
+            region.leave()
+
+    def of(self, module: nn.Module) -> Region | None:
+        return next((r for r in self.entered if module in r), None)
+
+    def split(
+        self, modules: Sequence[tuple[str, nn.Module]]
+    ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, Region]]]:
+        """``(eager, compiled)``: the modules outside any region, and those inside one with their region."""
+        eager: list[tuple[str, nn.Module]] = []
+        compiled: list[tuple[str, nn.Module, Region]] = []
+        for name, module in modules:
+            region = self.of(module)
+            if region is None:
+                eager.append((name, module))
+            else:
+                compiled.append((name, module, region))
+        return eager, compiled
+
+    def vote(self, voter: object, on: bool) -> None:
+        for region in self.entered:
+            region.switch.vote(voter, on)
+
+    def __bool__(self) -> bool:
+        return bool(self.entered)
+
+
+def _fresh_call(module: nn.Module) -> types.FunctionType:
+    def compiled_region(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    return _fresh(compiled_region)
+
+
+def _fresh_method(method: Any) -> Any:
+    func = method.__func__ if isinstance(method, types.MethodType) else method
+    fresh = _fresh(func)
+    return types.MethodType(fresh, method.__self__) if isinstance(method, types.MethodType) else fresh
+
+
+def _fresh(func: Any) -> types.FunctionType:
+    """``func`` with a code object of its own: a cache of compiled code that nothing else shares."""
+    code = func.__code__.replace()
+    fresh = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    fresh.__kwdefaults__ = func.__kwdefaults__
+    fresh.__qualname__ = func.__qualname__
+    return fresh
+
+
+_EAGER_VOTERS: set[int] = set()
+_EAGER_STANCE: list[Any] = []
+"""The ``set_stance`` object in force while some voter runs compiled code eagerly (at most one)."""
+
+
+def run_eager(voter: object, on: bool) -> None:
+    """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``).
+
+    For steps that need hooks to fire in the Python they attach to (a shape table, a checked
+    step): compiled graphs are neither used nor changed meanwhile, and the stance in force before
+    the first vote comes back with the last.
+    """
+    if on:
+        _EAGER_VOTERS.add(id(voter))
+    else:
+        _EAGER_VOTERS.discard(id(voter))
+    if _EAGER_VOTERS and not _EAGER_STANCE:
+        _EAGER_STANCE.append(torch.compiler.set_stance("force_eager"))
+    elif not _EAGER_VOTERS and _EAGER_STANCE:
+        _EAGER_STANCE.pop().__exit__(None, None, None)
+
+
+def has_compiled(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> bool:
+    """Whether some of ``modules`` are inside a compiled region of ``model``."""
+    regions = find_regions(model)
+    return any(module in region for region in regions for _, module in modules)
+
+
+def eager_stance() -> Any:
+    """A context in which every compiled function runs eagerly (a replayed step, whose hooks must fire)."""
+    return torch.compiler.set_stance("force_eager")

@@ -1,0 +1,153 @@
+"""Replaying a training step that went non-finite, with a :class:`NonFiniteRecorder` attached (pure torch).
+
+A healthy step is only checked, not watched (:func:`~lightning_hooks.recorders.finite.finite_step`);
+what replaying one needs is kept as it runs: each micro-batch object itself (a reference, never
+a copy), its batch index, and the random-number-generator and train/eval states it started
+with. When the check fails, before the optimizer has changed anything, :func:`replay` runs the
+micro-batches again with the recorder attached and differentiates each loss with respect to the
+recorded activations only (``torch.autograd.grad``), so that no parameter's ``.grad`` changes
+and nothing that hooks gradient accumulation (DDP's reducer) fires. The generators, the
+train/eval flags and the buffers (batch-norm running statistics) are left as they were found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.diagnose.finding import Finding
+from lightning_hooks.recorders.finite import NonFiniteRecorder
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The states of the CPU generator and of ``device``'s, when it is an accelerator.
+
+    Example::
+
+        >>> state = RngState.capture(torch.device("cpu"))
+        >>> a = torch.rand(2)
+        >>> state.restore()
+        >>> bool(torch.equal(a, torch.rand(2)))
+        True
+    """
+
+    cpu: torch.Tensor
+    device: torch.device | None = None
+    accelerator: torch.Tensor | None = None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        if device.type == "cpu":
+            return cls(torch.get_rng_state())
+        return cls(torch.get_rng_state(), device, torch.get_device_module(device).get_rng_state(device))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None and self.accelerator is not None:
+            torch.get_device_module(self.device).set_rng_state(self.accelerator, self.device)
+
+
+@dataclass
+class MicroBatch:
+    """What replaying one micro-batch of a step needs, and the loss it made (detached)."""
+
+    batch: Any
+    batch_idx: int
+    rng: RngState
+    training: tuple[bool, ...]
+    loss: torch.Tensor | None = None
+
+
+def training_flags(modules: Sequence[nn.Module]) -> tuple[bool, ...]:
+    """The train/eval flag of each module (``list(model.modules())``, made once, is cheaper to walk)."""
+    return tuple(m.training for m in modules)
+
+
+def set_training_flags(modules: Sequence[nn.Module], flags: Sequence[bool]) -> None:
+    for module, flag in zip(modules, flags, strict=True):
+        module.training = flag
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextmanager
+def observers_asleep(model: nn.Module) -> Iterator[None]:
+    """Take the module hooks of this package's recorders (other callbacks' statistics, shapes) off
+    ``model`` for the duration, so that what they record of a step is not counted twice by its
+    replay; the user's own hooks (``weight_norm``'s, say) stay, and every dict gets its order back.
+    """
+    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr)
+            ours = [key for key, hook in hooks.items() if type(hook).__module__.startswith("lightning_hooks.")]
+            if ours:
+                saved.append((hooks, dict(hooks)))
+                for key in ours:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            hooks.clear()
+            hooks.update(before)
+
+
+def replay(
+    model: nn.Module,
+    modules: Sequence[tuple[str, nn.Module]],
+    micro_batches: Sequence[MicroBatch],
+    run: Callable[[MicroBatch], torch.Tensor | None],
+    device: torch.device,
+    backward: bool = True,
+) -> Finding | None:
+    """Run each micro-batch again (``run`` returns its loss) with a recorder on ``modules``; what it found.
+
+    Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with ``backward``,
+    its loss is differentiated with respect to the recorded activations that require grad.
+    The other recorders of this package sleep meanwhile (:func:`observers_asleep`). Afterwards the
+    generators, flags and buffers of ``model`` are as they were, and no hook is left.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+        >>> start = RngState.capture(torch.device("cpu")), training_flags(list(model.modules()))
+        >>> batch = MicroBatch(torch.ones(1, 2), 0, *start)
+        >>> print(replay(model, [("0", model[0])], [batch], lambda mb: model(mb.batch).sum(), torch.device("cpu")))
+        None
+    """
+    every = list(model.modules())
+    rng, flags = RngState.capture(device), training_flags(every)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    recorder = NonFiniteRecorder(check_backward=backward)
+    try:
+        with observers_asleep(model), HookHandles() as handles, torch.enable_grad():
+            recorder.attach(modules, handles)
+            recorder.active = True
+            for micro in micro_batches:
+                micro.rng.restore()
+                set_training_flags(every, micro.training)
+                recorder.batch_idx, recorder.keep = micro.batch_idx, []
+                loss = run(micro)
+                if isinstance(loss, torch.Tensor):
+                    recorder.record_loss(loss)
+                    if backward and loss.requires_grad and recorder.keep:
+                        torch.autograd.grad(loss.float().sum(), recorder.keep, allow_unused=True)
+                recorder.keep = None  # the activations go with the micro-batch
+            recorder.active = False
+        return recorder.find()[0]
+    finally:
+        recorder.active, recorder.keep = False, None
+        rng.restore()
+        set_training_flags(every, flags)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)

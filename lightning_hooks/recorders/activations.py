@@ -1,0 +1,181 @@
+"""Recording statistics of module outputs with forward hooks (pure torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.autograd import graph_task_id, in_backward
+from lightning_hooks.core.compiled import Pending, Region, Switched
+from lightning_hooks.core.handles import HookHandles, made_once
+from lightning_hooks.core.nested import named_tensors
+from lightning_hooks.stats.batch import OutputKeys, StatBatch
+
+
+class ActivationRecorder:
+    """Observe every floating-point tensor each hooked module returns, into ``batch`` under ``("act", <layer>)``.
+
+    Nested outputs are observed per tensor (``<layer>.out.<path>``); a module called several times
+    pools its calls under one key. ``fired`` (a set of the caller's, or a new one) collects the
+    names of the modules whose hook ran. The forward that activation checkpointing re-runs in
+    backward is not counted.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_hooks.stats.batch import StatBatch, derive
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> with HookHandles() as handles:
+        ...     ActivationRecorder(batch).attach([("1", model[1])], handles)
+        ...     _ = model(torch.ones(2, 4))
+        >>> sorted(batch.fetch().states)
+        [('act', '1')]
+    """
+
+    def __init__(self, batch: StatBatch, histograms: bool = False, fired: set[str] | None = None) -> None:
+        self.batch, self.histograms = batch, histograms
+        self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("act")
+        self._hooks: dict[str, _ActivationHook] = {}
+        """The hook of each module name, made once and attached at every logging step."""
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        hooks = made_once(self._hooks, modules, lambda name, _: _ActivationHook(self, name, self.batch))
+        handles.add_forward_hooks(hooks)
+
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
+    ) -> None:
+        """Hook modules inside compiled regions for a whole fit: each hook runs while its region's switch
+        is on and leaves its states in ``pending`` (see :mod:`lightning_hooks.core.compiled`)."""
+        for name, module, region in modules:
+            region.settles(pending)
+            handles.add(module.register_forward_hook(Switched(region.switch, _ActivationHook(self, name, pending))))
+
+
+class _ActivationHook:
+    def __init__(self, recorder: ActivationRecorder, name: str, into: StatBatch | Pending) -> None:
+        self.recorder, self.name, self.into = recorder, name, into
+        self.key = recorder.keys.eager(name, "")
+        """The key of a bare tensor output."""
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder, into = self.recorder, self.into
+        # Not while activation checkpointing re-runs forward in backward.
+        if isinstance(into, Pending):  # inside compiled code: see Pending
+            if in_backward():
+                return
+            into.fired.append(self.name)
+        else:
+            if graph_task_id() != -1:  # an eager hook: no compiler traces it
+                return
+            recorder.fired.add(self.name)
+        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+            if output.is_floating_point():
+                into.add(self.key, output, recorder.histograms)
+            return
+        for path, tensor in named_tensors(output):
+            if tensor.is_floating_point():
+                into.add(recorder.keys.key(self.name, path), tensor, recorder.histograms)
+
+
+class UnitRecorder:
+    """Per output unit of each parameter-free hooked module, the sum of squares of its values; and each other
+    hooked module's output's sum of squares.
+
+    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, and
+    ``(N, C, L)`` out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``,
+    ``(N, T, F)``). Each floating-point output becomes one vector under ``("units", <layer>[.out.<path>])``:
+    the sum of squares of each unit (the keys in :attr:`per_unit`) for a module without parameters of
+    its own (activations, pooling, flatten, dropout) and outputs of at least two dimensions, ``[sum of
+    squares]`` for the others (a layer with weights outputs exact zeros for a whole batch only where its
+    weights are zero, e.g. a zero-initialised norm gain: not a dead activation),
+    pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes. A unit whose sum stays
+    zero was zero for every sample of the batch (or all of its values were below about ``1e-22`` in
+    magnitude, whose squares are zero in float32); the vector's total is the output's sum of squares, which
+    gives its RMS and is not finite when a value is NaN or Inf. One reduction per output: the squares
+    summed over every dimension but the units'. ``samples`` counts, on the host, how many values each unit
+    of a key saw in this process since :meth:`start` (every value, for a key without units).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_hooks.stats.batch import StatBatch
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> recorder, relu = UnitRecorder(batch), nn.ReLU()
+        >>> with HookHandles() as handles:
+        ...     recorder.attach([("relu", relu)], handles)
+        ...     _ = relu(torch.tensor([[-1.0, 1.0, 0.0], [-2.0, 2.0, 2.0]]))
+        >>> batch.fetch().vectors[("units", "relu")], recorder.samples, recorder.per_unit
+        ([0.0, 5.0, 4.0], {('units', 'relu'): 2}, {('units', 'relu')})
+    """
+
+    def __init__(self, batch: StatBatch, fired: set[str] | None = None) -> None:
+        self.batch = batch
+        self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("units")
+        self.samples: dict[tuple[str, str], int] = {}
+        self.per_unit: set[tuple[str, str]] = set()
+        """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
+
+    def start(self) -> None:
+        self.samples = {}
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        hooks = []
+        for name, module in modules:
+            units = next(module.parameters(recurse=False), None) is None
+            hooks.append((module, _UnitHook(self, name, channels_first(module), units)))
+        handles.add_forward_hooks(hooks)
+
+
+_WIDENED = (torch.float16, torch.bfloat16)
+"""Squared in float32: a half value above 256 squares to Inf, one below about 2e-4 to zero."""
+
+
+class _UnitHook:
+    def __init__(self, recorder: UnitRecorder, name: str, channels_first: bool, units: bool) -> None:
+        self.recorder, self.name, self.channels_first, self.units = recorder, name, channels_first, units
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
+            return
+        recorder = self.recorder
+        recorder.fired.add(self.name)
+        if not recorder.batch.open:
+            return
+        for path, tensor in named_tensors(output):
+            if not tensor.is_floating_point():
+                continue
+            x = tensor.detach()
+            key = recorder.keys.key(self.name, path)
+            squares = (x.float() if x.dtype in _WIDENED else x).square()
+            # A sum over every dimension but the units' costs a fifth of count_nonzero over them (callgrind).
+            if self.units and x.dim() >= 2:
+                dim = unit_dim(x, self.channels_first)
+                recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
+                recorder.per_unit.add(key)
+                recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
+            else:
+                recorder.batch.add_vector(key, squares.sum())
+                recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
+
+
+_CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def channels_first(module: nn.Module) -> bool:
+    """Whether the module's 3-d outputs are ``(batch, channels, length)`` (1-d convolutions, their norms and
+    poolings) rather than ``(batch, sequence, features)``."""
+    return isinstance(module, _CHANNELS_FIRST) or type(module).__name__.endswith(("Pool1d", "Pool2d", "Pool3d"))
+
+
+def unit_dim(t: torch.Tensor, channels_first: bool = False) -> int:
+    """The dimension of ``t`` that holds a layer's units (see :class:`UnitRecorder`)."""
+    return 1 if t.dim() in (4, 5) or (t.dim() == 3 and channels_first) else t.dim() - 1

@@ -1,0 +1,211 @@
+"""Clamping gradients to ``[-value, value]`` in true (unscaled) units (pure torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.autograd import in_backward, loss_scale
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.shards import is_sharded, local
+from lightning_hooks.stats.batch import FUSED_CHUNK, flatten, fused_chunks
+
+
+class ClampCount:
+    """How many gradient elements were clamped while ``active``, counted on device."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.clamped: list[torch.Tensor] = []
+        self.seen = 0
+
+    def reset(self) -> None:
+        self.active, self.clamped, self.seen = False, [], 0
+
+    def fraction(self, pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
+        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count.
+
+        ``pool`` sums a tensor over processes (one collective) when each saw its own shard of the
+        gradients; every process must then call this, whatever it saw.
+        """
+        clamped, seen = self.clamped, self.seen
+        self.reset()
+        if pool is None:
+            return torch.stack(clamped).sum().item() / seen if seen else None
+        here = torch.stack(clamped).sum().double() if clamped else torch.zeros((), dtype=torch.float64)
+        counts = torch.stack([here, torch.tensor(float(seen), dtype=torch.float64, device=here.device)])
+        total_clamped, total_seen = pool(counts).tolist()
+        return total_clamped / total_seen if total_seen else None
+
+
+def clamp_true_gradient(
+    grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount | None = None
+) -> torch.Tensor:
+    """``grad`` clamped to ``[-value, value]`` in true units, ``grad`` carrying the loss ``scale`` (or none).
+
+    With a scale the bound is ``value * scale``, computed on device (no host sync), and non-finite
+    values are left as they are so that the ``GradScaler`` still sees the overflow and skips the step.
+    A sparse (COO) gradient has its stored values clamped; counted, it has as many elements as its
+    dense form, the others being zeros.
+    """
+    if grad.layout == torch.sparse_coo:  # an embedding's with `sparse=True`
+        grad = grad.coalesce()
+        clamped = clamp_true_gradient(grad.values(), value, scale, count)
+        if count is not None and count.active:
+            count.seen += grad.numel() - grad.values().numel()
+        # From a coalesced tensor's own indices: valid, so the invariant checks (and their warning) are skipped.
+        return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True, check_invariants=False)
+    if scale is None:
+        if count is not None and count.active:
+            count.clamped.append((grad.abs() > value).sum())
+            count.seen += grad.numel()
+        return grad.clamp(-value, value)
+    bound = (scale * value).to(grad.dtype)
+    if count is not None and count.active:
+        count.clamped.append((grad.abs() > bound).logical_and(torch.isfinite(grad)).sum())
+        count.seen += grad.numel()
+    return torch.where(torch.isfinite(grad), torch.clamp(grad, -bound, bound), grad)
+
+
+class GradClamper:
+    """Clamp parameter gradients, in backward (:meth:`attach`) or once accumulated (:meth:`clamp_accumulated`).
+
+    In backward a tensor hook on each parameter replaces the gradient autograd is about to
+    accumulate into ``.grad`` with its clamped copy, bounded by ``value`` times the current scale
+    of ``scaler`` when one is scaling the loss; or, for one backward pass whose gradients land in
+    empty ``.grad`` (:meth:`attach_backward`), all of them are clamped at once as the pass ends.
+    ``count`` counts clamped elements while active.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 1)
+        >>> with HookHandles() as handles:
+        ...     GradClamper(0.1).attach([layer.weight], handles)
+        ...     (100 * layer(torch.ones(1, 2))).sum().backward()
+        >>> layer.weight.grad
+        tensor([[0.1000, 0.1000]])
+    """
+
+    def __init__(self, value: float, scaler: torch.amp.GradScaler | None = None) -> None:
+        self.value, self.scaler = value, scaler
+        self.count = ClampCount()
+        self.unsharded: set[int] = set()
+        """Ids of the unsharded parameters hooked in this step (FSDP2, see :meth:`attach_unsharded`)."""
+
+    def attach(self, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
+        for param in params:
+            handles.add(param.register_hook(_ClampHook(self)))
+
+    def attach_backward(self, loss: torch.Tensor, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
+        """Clamp the gradients that the coming backward pass of ``loss`` gives ``params``, in that pass only.
+
+        When none of ``params`` holds a gradient yet (Lightning empties ``.grad`` before each step),
+        a hook on ``loss`` has every ``.grad`` clamped in place once that backward pass ends, before
+        it returns (the autograd engine's final callback): the numbers a hook per parameter gives,
+        as each gradient then lands in an empty ``.grad``, in two ``torch._foreach`` operators
+        instead of autograd calling Python once per parameter (484 parameters of a 24-layer
+        encoder: half the instructions). Otherwise each parameter gets its hook (:meth:`attach`),
+        so that only the new gradient is clamped, not what ``.grad`` held. Without a scaler only
+        (under one, see :meth:`attach`). Remove ``handles`` once the pass is over.
+        """
+        if not loss.requires_grad:
+            return
+        if any(param.grad is not None for param in params):
+            self.attach(params, handles)
+        else:
+            handles.add(loss.register_hook(_AtBackwardEnd(self, params)))
+
+    def clamp_grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Clamp the ``.grad`` of ``params`` in place to ``[-value, value]`` (unscaled), counting while active."""
+        self._clamp_in_place([grad for param in params if (grad := param.grad) is not None])
+
+    def attach_unsharded(
+        self,
+        modules: Sequence[tuple[str, nn.Module]],
+        params: Sequence[nn.Parameter],
+        handles: HookHandles,
+        step_handles: HookHandles,
+    ) -> None:
+        """Clamp, in backward, the unsharded gradient of those sharded ``params`` (FSDP2) that ``modules`` own.
+
+        FSDP2 gives a module its unsharded parameters for its forward and reduce-scatters their
+        gradients once backward has computed them: a forward pre-hook on each module (in
+        ``handles``) puts the clamp on the unsharded parameters it finds there, once per step, so
+        that each backward's gradient is clamped before it is accumulated and reduce-scattered.
+        Those tensor hooks go into ``step_handles``; remove them and clear :attr:`unsharded` at
+        the end of each step.
+        """
+        wanted = {id(p) for p in params}
+        for _, module in modules:
+            names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
+            if names:
+                handles.add(module.register_forward_pre_hook(_ClampUnsharded(self, names, step_handles)))
+
+    def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now).
+
+        A sharded gradient (``DTensor``) is clamped shard by shard, which is exact as the clamp is
+        elementwise; the count is then this process's, for :meth:`ClampCount.fraction` to pool.
+        """
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._clamp_in_place([local(p.grad) for p in params if p.grad is not None and id(p) in in_optimizer])
+
+    def _clamp_in_place(self, grads: list[torch.Tensor]) -> None:
+        """Two fused operators for the dense ``grads`` (``torch._foreach_clamp_min_`` and ``_max_``), one each for
+        others; the clamped elements counted per tensor while :attr:`count` is active."""
+        value, count, strided = self.value, self.count, torch.strided
+        # Layouts are singletons: `is` against a local costs half of `!=` against torch's attribute, per gradient.
+        sparse = [grad for grad in grads if grad.layout is not strided]
+        dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
+        with torch.no_grad():
+            if count.active:  # over the gradients end to end, a few operators in all, not three per gradient
+                values = [flatten([dense[i] for i in chunk])[0] for chunk in fused_chunks(dense, FUSED_CHUNK)]
+                values += [grad for grad in dense if grad.numel() > FUSED_CHUNK]
+                count.clamped += [(v.abs() > value).sum() for v in values]
+                count.seen += sum(grad.numel() for grad in dense)
+            torch._foreach_clamp_min_(dense, -value)
+            torch._foreach_clamp_max_(dense, value)
+            for grad in sparse:  # no fused kernel
+                grad.copy_(clamp_true_gradient(grad, value, None, count))
+
+
+class _ClampUnsharded:
+    """Forward pre-hook under FSDP2: clamp the gradients of the module's unsharded parameters."""
+
+    def __init__(self, clamper: GradClamper, names: list[str], handles: HookHandles) -> None:
+        self.clamper, self.names, self.handles = clamper, names, handles
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if in_backward():  # activation checkpointing re-running forward: hooked already
+            return
+        hooked = self.clamper.unsharded
+        for name in self.names:
+            param = getattr(module, name)
+            if not is_sharded(param) and param.requires_grad and id(param) not in hooked:
+                hooked.add(id(param))
+                self.handles.add(param.register_hook(_ClampHook(self.clamper)))
+
+
+class _AtBackwardEnd:
+    """Tensor hook on a loss: once the backward pass it starts has computed every gradient, clamp ``params``'."""
+
+    def __init__(self, clamper: GradClamper, params: Sequence[nn.Parameter]) -> None:
+        self.clamper, self.params = clamper, params
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.clamp)
+
+    def clamp(self) -> None:
+        self.clamper.clamp_grads(self.params)
+
+
+class _ClampHook:
+    def __init__(self, clamper: GradClamper) -> None:
+        self.clamper = clamper
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        clamper = self.clamper
+        scale = None if clamper.scaler is None else loss_scale(clamper.scaler)  # no call per gradient without AMP
+        return clamp_true_gradient(grad, clamper.value, scale, clamper.count)

@@ -1,0 +1,398 @@
+"""Recording gradient statistics: layer output gradients, parameter gradients, update ratios (pure torch)."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.core.autograd import dense_gradient, graph_task_id, loss_scale
+from lightning_hooks.core.compiled import Pending, Region, Switched
+from lightning_hooks.core.handles import HookHandles, made_once
+from lightning_hooks.core.nested import named_tensors
+from lightning_hooks.core.shards import counted_part, is_sharded
+from lightning_hooks.stats.batch import (
+    Chunks,
+    Key,
+    OutputKeys,
+    StatBatch,
+    State,
+    chunks,
+    flatten,
+    segment_sum,
+)
+
+
+class OutputGradRecorder:
+    """Observe the gradient with respect to each output of the hooked modules, under ``("out", <layer>)``.
+
+    A forward hook puts a tensor hook on every output that will receive a gradient; unlike
+    ``register_full_backward_hook`` this works when the output is modified in place afterwards
+    (``ReLU(inplace=True)`` after a convolution). Under an enabled ``GradScaler`` the gradient is
+    divided by the current scale on device, so the figures are those of the true gradient.
+    ``fired`` (a set of the caller's, or a new one) collects the names of the modules whose forward hook ran.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> with HookHandles() as handles:
+        ...     OutputGradRecorder(batch).attach([("0", model[0])], handles)
+        ...     model(torch.ones(2, 4)).sum().backward()
+        >>> sorted(batch.fetch().states)
+        [('out', '0')]
+    """
+
+    def __init__(
+        self, batch: StatBatch, scaler: torch.amp.GradScaler | None = None, fired: set[str] | None = None
+    ) -> None:
+        self.batch, self.scaler = batch, scaler
+        self.fired = set() if fired is None else fired
+        self.keys = OutputKeys("out")
+        self._hooks: dict[str, _OutputGradHook] = {}
+        """The hook of each module name, made once and attached at every logging step."""
+
+    def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
+        hooks = made_once(self._hooks, modules, lambda name, _: _OutputGradHook(self, name))
+        handles.add_forward_hooks(hooks)
+
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
+    ) -> None:
+        """Hook modules inside compiled regions for a whole fit (see :mod:`lightning_hooks.core.compiled`).
+
+        A tensor hook registered in a traced forward would break the graph; instead, while the
+        region's switch is on, the forward hook passes each output through ``grad_probe``, a
+        custom operator that is the identity forward and hands the gradient to this recorder in
+        backward. The compiled graphs keep no graph break; a bare tensor and a flat tuple, list
+        or dict of outputs are probed (deeper nested outputs are not, under compile).
+        """
+        for name, module, region in modules:
+            region.settles(pending)
+            slot = handles.add(RemovableHandle(_READERS))
+            _READERS[slot.id] = _PathReader(self, name)
+            probe = _OutputGradProbe(str(slot.id))
+            handles.add(module.register_forward_hook(Switched(region.switch, _Fired(pending, name, probe))))
+
+
+class _OutputGradHook:
+    def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+        self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))
+        """The reader of a bare tensor output's gradient."""
+        self.first = _OutputOf(self.reader, 0)
+        """Its pre-hook on the node that made it, when the output is that node's first (as nearly always)."""
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
+            return
+        self.recorder.fired.add(self.name)
+        if not torch.is_grad_enabled():
+            return
+        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+            if output.requires_grad and output.is_floating_point():
+                node = output.grad_fn
+                if node is not None and output.output_nr == 0:
+                    node.register_prehook(self.first)
+                else:
+                    _read_grad(output, self.reader)
+            return
+        for path, tensor in named_tensors(output):
+            if tensor.requires_grad and tensor.is_floating_point():
+                _read_grad(tensor, _GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
+
+
+def _read_grad(output: torch.Tensor, reader: _GradReader) -> None:
+    """Have ``reader`` called with the gradient with respect to ``output`` in backward."""
+    node = output.grad_fn
+    if node is None:  # a leaf returned as it is (a parameter)
+        output.register_hook(reader)
+    else:  # the node that made the output, given its gradient: a third cheaper than a tensor hook
+        node.register_prehook(_OutputOf(reader, output.output_nr))
+
+
+class _GradReader:
+    def __init__(self, recorder: OutputGradRecorder, key: Key) -> None:
+        self.recorder, self.key = recorder, key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        recorder = self.recorder
+        scale = None if recorder.scaler is None else loss_scale(recorder.scaler)  # no call per gradient without AMP
+        recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
+
+
+class _OutputOf:
+    """A pre-hook of the autograd node that made an output: hands that output's gradient to ``reader``.
+
+    The gradient is the one a tensor hook on the output registered at the same moment would get,
+    also when the output is modified in place later (the node is the one that made it); ``None``
+    when the node runs for its other outputs only.
+    """
+
+    def __init__(self, reader: _GradReader, index: int) -> None:
+        self.reader, self.index = reader, index
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grad_outputs[self.index]
+        if grad is not None:
+            self.reader(grad)
+
+
+class _PathReader:
+    """Hands the gradient of output ``path`` of module ``name`` to the recorder (called in backward)."""
+
+    def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+
+    def __call__(self, path: str, grad: torch.Tensor) -> None:
+        _GradReader(self.recorder, self.recorder.keys.key(self.name, path))(grad)
+
+
+_READERS: OrderedDict[int, _PathReader] = OrderedDict()
+"""The readers that ``grad_probe``'s backward calls, by slot; a slot's ``RemovableHandle`` frees it."""
+
+
+@torch.library.custom_op("lightning_hooks::grad_probe", mutates_args=())
+def _grad_probe(x: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    """The identity (a copy: a custom operator returns no alias of its input); see :func:`_grad_read`."""
+    return x.clone()
+
+
+@torch.library.custom_op("lightning_hooks::grad_read", mutates_args=())
+def _grad_read(grad: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    """``grad_probe``'s backward: give ``grad`` to the reader of ``slot``, if it is still there. The slot is a
+    string, not an int: dynamo would make an int that differs between hooks a symbolic input of the graph."""
+    reader = _READERS.get(int(slot))
+    if reader is not None:
+        reader(path, grad)
+    return grad.clone()
+
+
+@_grad_probe.register_fake
+def _grad_probe_fake(x: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_grad_read.register_fake
+def _grad_read_fake(grad: torch.Tensor, slot: str, path: str) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _probe_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.slot, ctx.path = inputs[1], inputs[2]
+
+
+def _probe_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return torch.ops.lightning_hooks.grad_read(grad, ctx.slot, ctx.path), None, None
+
+
+_grad_probe.register_autograd(_probe_backward, setup_context=_probe_setup)
+
+_FLAT_OUTPUTS = (tuple, list, dict)
+
+
+class _Fired:
+    """Notes in ``pending`` that module ``name`` ran, then calls ``hook``."""
+
+    def __init__(self, pending: Pending, name: str, hook: _OutputGradProbe) -> None:
+        self.pending, self.name, self.hook = pending, name, hook
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        self.pending.fired.append(self.name)
+        return self.hook(output)
+
+
+class _OutputGradProbe:
+    """Passes each output tensor that will receive a gradient through ``grad_probe`` (inside compiled code)."""
+
+    def __init__(self, slot: str) -> None:
+        self.slot = slot
+
+    def __call__(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(output, torch.Tensor):
+            return self._probe("", output)
+        if type(output) in _FLAT_OUTPUTS:
+            items = output.items() if isinstance(output, dict) else enumerate(output)
+            probed = {k: self._probe(str(k), v) if isinstance(v, torch.Tensor) else v for k, v in items}
+            return probed if isinstance(output, dict) else type(output)(probed.values())
+        return None
+
+    def _probe(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad and t.is_floating_point():
+            return torch.ops.lightning_hooks.grad_probe(t, self.slot, path)
+        return t
+
+
+class ParamGradRecorder:
+    """Observe parameter gradients under ``("param", <name>)`` and update ratios under ``("ratio", <name>)``.
+
+    :meth:`record` is called where the optimizer is about to step, with gradients final (after
+    accumulation, unscaling and any all-reduce). Each parameter is read once per recorded step
+    (:meth:`start` begins one), and only if ``optimizer`` holds it: with several optimizers each
+    reads its own. With ``update_ratio``, a copy of each read parameter is kept until the
+    optimizer's step post-hook turns it into ``||w_after - w_before|| / ||w_before||``.
+
+    A sharded parameter (a ``DTensor``, FSDP2) is observed through this process's shard only, so
+    its states must be pooled across processes (``StatBatch.fetch`` with the groups ``param``,
+    ``update`` and ``weight``): its update ratio is then observed as the change under
+    ``("update", <name>)`` and the weight before it under ``("weight", <name>)``, which
+    :func:`update_ratio` turns into the ratio once pooled.
+
+    Example::
+
+        >>> layer = nn.Linear(3, 2)
+        >>> optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        >>> layer(torch.ones(1, 3)).sum().backward()
+        >>> batch = StatBatch()
+        >>> batch.start()
+        >>> with HookHandles() as handles:
+        ...     ParamGradRecorder(batch, update_ratio=True).record(list(layer.named_parameters()), optimizer, handles)
+        ...     optimizer.step()
+        >>> fetched = batch.fetch()
+        >>> sorted(fetched.states), sorted(fetched.scalars)
+        ([('param', 'bias'), ('param', 'weight')], [('ratio', 'bias'), ('ratio', 'weight')])
+    """
+
+    def __init__(
+        self,
+        batch: StatBatch,
+        histograms: bool = False,
+        update_ratio: bool = False,
+        weight_norms: bool = False,
+        observe: bool = True,
+    ) -> None:
+        self.batch, self.histograms, self.update_ratio = batch, histograms, update_ratio
+        self.weight_norms = weight_norms
+        """Also keep ``||w_before||`` of each parameter with an update ratio, under ``("wnorm", <name>)``."""
+        self.observe = observe
+        """Observe the gradients (``False``: only the update ratios, for a caller that reads gradients its way)."""
+        self._read: set[int] = set()
+
+    def start(self) -> None:
+        """A new recorded step: every parameter may be read again."""
+        self._read = set()
+
+    def record(
+        self, params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer, handles: HookHandles
+    ) -> None:
+        """Read the gradients of ``params`` that ``optimizer`` will use; its update-ratio hook goes into ``handles``."""
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        read: list[tuple[str, nn.Parameter]] = []
+        grads: list[torch.Tensor] = []
+        for name, param in params:
+            if param.grad is None or id(param) in self._read or id(param) not in in_optimizer:
+                continue
+            self._read.add(id(param))
+            read.append((name, param))
+            grad = counted_part(param.grad)
+            grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))  # a call only when sparse
+        if not read:
+            return
+        # Unsharded, a gradient has its parameter's device, dtype and shape: one layout serves both.
+        layout = None if any(is_sharded(p) for _, p in read) else chunks([p for _, p in read])
+        if self.observe:
+            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms, layout)
+        if self.update_ratio:
+            ratio = _UpdateRatio(self.batch, read, self.weight_norms, layout)
+            handles.add(optimizer.register_step_post_hook(ratio))
+
+
+class _UpdateRatio:
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
+
+    Parameters that share a shape with others are stacked into matrices (see
+    :func:`~lightning_hooks.stats.batch.shape_chunks`) and their norms taken row by row in float64;
+    other small ones are copied end to end into one buffer per device and dtype (see
+    :func:`~lightning_hooks.stats.batch.fused_chunks`) and their norms are segment reductions of those
+    buffers; both a fixed number of operators however many parameters there are; larger ones one by one.
+    """
+
+    def __init__(
+        self,
+        batch: StatBatch,
+        params: list[tuple[str, nn.Parameter]],
+        weight_norms: bool = False,
+        layout: Chunks | None = None,
+    ) -> None:
+        """``layout``: the :func:`~lightning_hooks.stats.batch.chunks` of ``params``, if known (none is sharded)."""
+        self.batch, self.weight_norms = batch, weight_norms
+        # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
+        self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
+        if self.sharded:
+            params = [(name, p) for name, p in params if not is_sharded(p)]
+            layout = None
+        stacks, fused, singles = chunks([param for _, param in params]) if layout is None else layout
+        self.stacked: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
+        self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
+        with torch.no_grad():
+            for part in stacks:
+                self.stacked.append(([params[i] for i in part], torch.stack([params[i][1] for i in part])))
+            for part in fused:
+                values, _ = flatten([params[i][1] for i in part])
+                self.before.append(([params[i] for i in part], values.clone() if len(part) == 1 else values))
+            self.large = [(params[i][0], params[i][1], params[i][1].clone()) for i in singles]
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stacked, self.stacked = self.stacked, []  # the copies are freed as soon as the ratios are taken
+        before, self.before = self.before, []
+        large, self.large = self.large, []
+        sharded, self.sharded = self.sharded, []
+        f64 = torch.float64
+        for params, old in stacked:
+            with torch.no_grad():
+                new = torch.stack([param for _, param in params])
+                change = torch.linalg.vector_norm((new - old).view(len(params), -1), dim=1, dtype=f64)
+                scale = torch.linalg.vector_norm(old.view(len(params), -1), dim=1, dtype=f64).clamp_min_(1e-12)
+            self._ratios([name for name, _ in params], change, scale)
+        for params, old in before:
+            with torch.no_grad():
+                new, lengths = flatten([param for _, param in params])
+                change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
+                scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
+            self._ratios([name for name, _ in params], change, scale)
+        for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
+            self.batch.add(("update", name), counted_part(param).detach() - old)
+            self.batch.add(("weight", name), old)
+        for name, param, old_value in large:
+            with torch.no_grad():
+                norm = torch.linalg.vector_norm(old_value)
+                ratio = torch.linalg.vector_norm(param - old_value) / norm.clamp_min(1e-12)
+            self.batch.add_scalar(("ratio", name), ratio)
+            if self.weight_norms:
+                self.batch.add_scalar(("wnorm", name), norm)
+
+    def _ratios(self, names: list[str], change: torch.Tensor, scale: torch.Tensor) -> None:
+        self.batch.add_scalars([("ratio", name) for name in names], change / scale)
+        if self.weight_norms:
+            self.batch.add_scalars([("wnorm", name) for name in names], scale)
+
+
+def update_ratio(update: State, weight: State) -> float:
+    """``||Δw|| / ||w||`` from the pooled states of a sharded parameter's change and its weight before it."""
+    return math.sqrt(max(update.sum_sq, 0.0)) / max(math.sqrt(max(weight.sum_sq, 0.0)), 1e-12)
+
+
+def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[‖g‖₁ of each of grads, ‖g‖₂² of each]`` in two fused calls, float32, on the gradients' device.
+
+    Two ``torch._foreach_norm`` calls whatever the number of tensors (one kernel each on CUDA, a
+    loop in C++ on CPU): what a caller that needs each gradient's magnitude, size and finiteness
+    pays instead of :func:`~lightning_hooks.stats.batch.observe_many`'s six statistics. A NaN or Inf
+    gradient makes both of its norms non-finite.
+
+    Example::
+
+        >>> gradient_norms([torch.tensor([3.0, -4.0]), torch.tensor([1.0])]).tolist()
+        [7.0, 1.0, 25.0, 1.0]
+    """
+    l1 = torch._foreach_norm(list(grads), 1)
+    l2 = torch._foreach_norm(list(grads), 2)
+    return torch.cat([torch.stack([n.float() for n in l1]), torch.stack([n.float() for n in l2]).square()])

@@ -1,0 +1,250 @@
+"""Recording per-call input and output shapes with forward hooks (pure torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_hooks.core.autograd import graph_task_id
+from lightning_hooks.core.handles import HookHandles, made_once
+from lightning_hooks.core.nested import Signature, call_inputs, format_signature, signature
+from lightning_hooks.core.select import ModuleSelector, label, type_label
+from lightning_hooks.core.tables import markdown_table
+
+
+@dataclass
+class ShapeRow:
+    """One call of one module."""
+
+    name: str
+    type: str
+    params: int
+    inputs: Signature
+    outputs: Signature = ()
+
+    def key(self) -> tuple[str, Signature, Signature]:
+        return (self.name, self.inputs, self.outputs)
+
+
+@dataclass
+class ShapeRecorder:
+    """Collects a :class:`ShapeRow` per module call while ``active``; holds no tensor.
+
+    Rows are in the order calls start, so a container comes before its children and a module
+    called twice gets two rows.
+    """
+
+    active: bool = False
+    rows: list[ShapeRow] = field(default_factory=list)
+    _open: dict[str, list[ShapeRow]] = field(default_factory=dict)
+    _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
+    """The hooks of each module name, made once and attached at every recorded step."""
+
+    def clear(self) -> None:
+        self.rows = []
+        self._open = {}
+
+    def attach(
+        self, modules: list[tuple[str, nn.Module]], handles: HookHandles, params: dict[str, int] | None = None
+    ) -> None:
+        """Hook ``modules``; ``params`` (qualified name to parameter count) saves recounting them.
+
+        The hooks are registered under one handle each way (:meth:`HookHandles.add_forward_hooks`):
+        on a 24-layer encoder's 342 modules, registering and removing them one by one cost 18.5 M
+        instructions a recorded step, a quarter of what recording its shapes cost (callgrind).
+        """
+
+        def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
+            count = params[name] if params is not None else parameter_count(module)
+            return _ShapePreHook(self, name, type_label(module), count), _ShapeHook(self, name)
+
+        hooks = made_once(self._hooks, modules, make)
+        handles.add_forward_pre_hooks([(module, pre) for module, (pre, _) in hooks], with_kwargs=True)
+        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True)
+
+    def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
+        """What the recorded rows say, comparable between steps."""
+        return tuple(row.key() for row in self.rows)
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Parameters of the module and its children, each shared parameter counted once."""
+    return sum(p.numel() for p in module.parameters())
+
+
+class _ShapePreHook:
+    def __init__(self, recorder: ShapeRecorder, name: str, type_name: str, params: int) -> None:
+        self.recorder, self.name, self.type_name, self.params = recorder, name, type_name, params
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        recorder = self.recorder
+        if not recorder.active or graph_task_id() != -1:  # recorded steps run eagerly (see ShapeLogger)
+            return
+        row = ShapeRow(self.name, self.type_name, self.params, signature(call_inputs(args, kwargs)))
+        recorder.rows.append(row)
+        recorder._open.setdefault(self.name, []).append(row)
+
+
+class _ShapeHook:
+    def __init__(self, recorder: ShapeRecorder, name: str) -> None:
+        self.recorder, self.name = recorder, name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder = self.recorder
+        if not recorder.active or graph_task_id() != -1:
+            return
+        pending = recorder._open.get(self.name)
+        if pending:
+            pending.pop().outputs = signature(output)
+
+
+def trace_shapes(model: nn.Module, *args: Any, selector: ModuleSelector | None = None, **kwargs: Any) -> list[ShapeRow]:
+    """Run ``model(*args, **kwargs)`` once and return a row per module call.
+
+    No hook outlives the call, whether it returns or raises.
+
+    Example::
+
+        >>> import torch
+        >>> model = nn.Sequential(nn.Linear(5, 3), nn.ReLU())
+        >>> print(format_table(trace_shapes(model, torch.zeros(2, 5))))
+        Layer  Type        Input   Output  Params
+        -----  ----------  ------  ------  ------
+        root   Sequential  [2, 5]  [2, 3]  18
+        0      Linear      [2, 5]  [2, 3]  18
+        1      ReLU        [2, 3]  [2, 3]  0
+    """
+    recorder = ShapeRecorder(active=True)
+    with HookHandles() as handles:
+        recorder.attach((selector or ModuleSelector()).select(model), handles)
+        model(*args, **kwargs)
+    return recorder.rows
+
+
+_HEADER = ("Layer", "Type", "Input", "Output", "Params")
+
+MIN_REPEATS = 3
+"""The shortest run of identical sibling blocks that a table collapses (a pair is shown in full)."""
+
+
+def _segment(rows: list[ShapeRow], start: int, prefix: str) -> int:
+    """The end of the calls from ``start`` on that belong to the module named ``prefix`` or below it."""
+    end = start
+    while end < len(rows) and (rows[end].name == prefix or rows[end].name.startswith(prefix + ".")):
+        end += 1
+    return end
+
+
+def _shape_of(rows: list[ShapeRow], prefix: str) -> tuple[tuple[str, str, int, Signature, Signature], ...]:
+    """What a block's calls say with its own name taken off: equal for blocks that only differ in index."""
+    return tuple((r.name[len(prefix) :], r.type, r.params, r.inputs, r.outputs) for r in rows)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive identical sibling blocks: ``parent.first`` … ``parent.(first + count - 1)``."""
+
+    parent: str
+    first: int
+    count: int
+    block_end: int  # where the first block's calls end
+    end: int  # where the last block's calls end
+
+    def name(self, index: int) -> str:
+        return f"{self.parent}.{index}" if self.parent else str(index)
+
+
+def _run(rows: list[ShapeRow], start: int) -> _Run | None:
+    """The run of at least :data:`MIN_REPEATS` identical sibling blocks whose first call is ``rows[start]``.
+
+    Siblings are modules whose names differ only in a last component that counts up by one
+    (``encoder.layer.0``, ``encoder.layer.1``, …: the children of an ``nn.ModuleList`` or
+    ``nn.Sequential``), tried from the outermost such component of the row's name inwards.
+    """
+    parts = rows[start].name.split(".")
+    for depth, part in enumerate(parts):
+        if not part.isdigit():
+            continue
+        parent, first, prefix = ".".join(parts[:depth]), int(part), ".".join(parts[: depth + 1])
+        block_end = _segment(rows, start, prefix)
+        shape, count, end = _shape_of(rows[start:block_end], prefix), 1, block_end
+        while True:
+            sibling = f"{parent}.{first + count}" if parent else str(first + count)
+            next_end = _segment(rows, end, sibling)
+            if next_end == end or _shape_of(rows[end:next_end], sibling) != shape:
+                break
+            count, end = count + 1, next_end
+        if count >= MIN_REPEATS:
+            return _Run(parent, first, count, block_end, end)
+    return None
+
+
+def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
+    """``(shown name, row, repeats)`` per line of a table: runs of identical sibling blocks once.
+
+    A run of at least :data:`MIN_REPEATS` consecutive sibling blocks whose calls have the same
+    names below the block, classes, parameter counts and shapes is shown as its first block, named
+    with the range of indices (``encoder.layer.0–23``); its first line carries the number of blocks.
+    Runs inside a collapsed block collapse too. Every other row is shown as it is, with 1.
+
+    Example::
+
+        >>> import torch
+        >>> model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(5)), nn.ReLU())
+        >>> print(format_table(trace_shapes(model, torch.zeros(2, 4))))
+        Layer    Type        Input   Output  Params
+        -------  ----------  ------  ------  ------
+        root     Sequential  [2, 4]  [2, 4]  100
+        0–4  ×5  Linear      [2, 4]  [2, 4]  20
+        5        ReLU        [2, 4]  [2, 4]  0
+    """
+    shown: list[tuple[str, ShapeRow, int]] = []
+    i = 0
+    while i < len(rows):
+        run = _run(rows, i)
+        if run is None:
+            shown.append((label(rows[i].name), rows[i], 1))
+            i += 1
+            continue
+        first, head = run.name(run.first), run.name(run.first) + f"\u2013{run.first + run.count - 1}"
+        block = collapse_repeats(rows[i : run.block_end])
+        shown += [
+            (head + name[len(first) :], row, run.count if j == 0 else n) for j, (name, row, n) in enumerate(block)
+        ]
+        i = run.end
+    return shown
+
+
+def _cells(rows: list[ShapeRow], collapse: bool) -> list[tuple[str, ...]]:
+    shown = collapse_repeats(rows) if collapse else [(label(r.name), r, 1) for r in rows]
+    return [
+        (
+            f"{name}  \u00d7{n}" if n > 1 else name,
+            r.type,
+            format_signature(r.inputs),
+            format_signature(r.outputs),
+            f"{r.params:,}",
+        )
+        for name, r, n in shown
+    ]
+
+
+def format_table(rows: list[ShapeRow], collapse: bool = True) -> str:
+    """A plain-text table with aligned columns, for the terminal; ``collapse`` as in :func:`collapse_repeats`."""
+    cells = [_HEADER, *_cells(rows, collapse)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def shape_table(rows: list[ShapeRow], collapse: bool = True) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``(columns, cells)``: the table as data, one row per module call, for a logger's own table form."""
+    return _HEADER, _cells(rows, collapse)
+
+
+def format_markdown(rows: list[ShapeRow], collapse: bool = True) -> str:
+    """The same table in markdown, which TensorBoard's text dashboard renders as a table."""
+    return markdown_table(*shape_table(rows, collapse))

@@ -1,0 +1,189 @@
+"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra).
+
+Two figures:
+
+* **gradient flow**: mean and max ``|gradient|`` of each layer's parameters, in model order, on a
+  log scale: a layer whose bars sink orders of magnitude below its neighbours' is where gradients
+  vanish; one that towers above them is where they explode;
+* **activation zero fraction**: the share of exact zeros in each layer's output, in call order:
+  a ReLU near 100 % has died.
+
+The series are computed from host-side states (see :mod:`lightning_hooks.stats.batch`); the
+renderers take names and values and return an ``H x W x 3`` ``uint8`` image, drawn with the Agg
+canvas directly (no pyplot, no global state, no display). matplotlib is imported on first use;
+:data:`INSTALL_HINT` says how to get it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from lightning_hooks.core.select import label
+from lightning_hooks.stats.batch import State, abs_mean, combine, derive
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+INSTALL_HINT = "pip install 'lightning-hooks[plots]'"
+"""How to install what the figures need."""
+
+DEAD = 0.9
+"""Zero fraction from which a layer's bar is drawn as dead."""
+
+_MEAN_COLOR, _MAX_COLOR, _BAD_COLOR, _OK_COLOR = "#1f4e99", "#9dc3e6", "#c62828", "#4a90c8"
+
+
+def gradient_flow_series(rows: Mapping[str, State]) -> tuple[list[str], list[float], list[float]]:
+    """Per layer (a parameter's module), mean and max ``|gradient|`` from parameter moment rows.
+
+    ``rows`` maps qualified parameter names, in model order, to combined moment rows; the
+    parameters of one module (weight and bias) are pooled. Returns ``(layers, mean_abs, max_abs)``.
+    """
+    pooled: dict[str, list[State]] = {}
+    for name, row in rows.items():
+        module = name.rpartition(".")[0]
+        pooled.setdefault(label(module), []).append(row)
+    layers, means, maxes = [], [], []
+    for layer, members in pooled.items():
+        row = combine(members)
+        if not row.numel:
+            continue
+        layers.append(layer)
+        means.append(abs_mean(row))
+        maxes.append(derive(row, ["abs_max"])["abs_max"])
+    return layers, means, maxes
+
+
+def zero_fraction_series(rows: Mapping[str, State]) -> tuple[list[str], list[float]]:
+    """Per layer output, in call order, the share of exact zeros: ``(layers, zero_frac)``."""
+    layers, values = [], []
+    for name, row in rows.items():
+        stats = derive(row, ["zero_frac"])
+        if stats:
+            layers.append(name)
+            values.append(stats["zero_frac"])
+    return layers, values
+
+
+def render_gradient_flow(
+    layers: Sequence[str], mean_abs: Sequence[float], max_abs: Sequence[float], step: int
+) -> NDArray[np.uint8]:
+    """The "gradient flow" bar chart: per layer, max ``|g|`` (wide, light) behind mean ``|g|`` (narrow, dark).
+
+    Log scale; a layer with NaN/Inf gradients gets a red label and a red "NaN/Inf" mark, a layer
+    whose gradient is exactly zero a "0" mark at the floor of the axis.
+    """
+    figure, axes = _figure(len(layers))
+    x = np.arange(len(layers))
+    positive = [v for v in (*mean_abs, *max_abs) if math.isfinite(v) and v > 0]
+    floor = min(positive) / 3 if positive else 1e-12
+    top = max(positive) * 3 if positive else 1.0
+
+    def bars(values: Sequence[float]) -> list[float]:
+        return [v if math.isfinite(v) and v > 0 else floor for v in values]
+
+    axes.bar(x, bars(max_abs), width=0.8, color=_MAX_COLOR, label="max |gradient|")
+    axes.bar(x, bars(mean_abs), width=0.45, color=_MEAN_COLOR, label="mean |gradient|")
+    axes.set_yscale("log")
+    axes.set_ylim(floor, top)
+    bad = [not (math.isfinite(a) and math.isfinite(b)) for a, b in zip(mean_abs, max_abs, strict=True)]
+    for i, (is_bad, peak) in enumerate(zip(bad, max_abs, strict=True)):
+        if is_bad:
+            axes.annotate(
+                "NaN/Inf",
+                (i, floor),
+                xytext=(0, 4),
+                textcoords="offset points",
+                color=_BAD_COLOR,
+                ha="center",
+                va="bottom",
+                rotation=90,
+                fontsize=8,
+                fontweight="bold",
+            )
+        elif peak == 0:
+            axes.annotate("0", (i, floor), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom")
+    _finish(axes, layers, bad, f"Gradient flow · step {step}", "|gradient| (log scale)")
+    axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    return _pixels(figure)
+
+
+def render_zero_fraction(layers: Sequence[str], zero_frac: Sequence[float], step: int) -> NDArray[np.uint8]:
+    """Bars of each layer's activation zero fraction in call order; red from :data:`DEAD` (dead ReLUs) up."""
+    figure, axes = _figure(len(layers))
+    x = np.arange(len(layers))
+    dead = [v >= DEAD for v in zero_frac]
+    axes.bar(x, zero_frac, width=0.7, color=[_BAD_COLOR if d else _OK_COLOR for d in dead])
+    axes.axhline(DEAD, color=_BAD_COLOR, linestyle="--", linewidth=1, label=f"{DEAD:.0%}: mostly dead")
+    axes.set_ylim(0, 1.05)
+    axes.yaxis.set_major_formatter("{x:.0%}")
+    _finish(axes, layers, dead, f"Activation zero fraction · step {step}", "share of exact zeros")
+    axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
+    return _pixels(figure)
+
+
+def require() -> None:
+    """Import matplotlib now (it takes a while the first time); ImportError with the fix if it is missing."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"The figures need matplotlib: {INSTALL_HINT}") from err
+
+
+def _figure(n: int) -> tuple[Figure, Axes]:
+    require()
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(min(max(4 + 0.45 * n, 7), 24), 4.8), dpi=100, layout="constrained")
+    axes = figure.add_subplot()
+    axes.grid(axis="y", which="major", alpha=0.3)
+    axes.set_axisbelow(True)
+    return figure, axes
+
+
+NAMED_MAX = 60
+"""A figure's axis names at most about this many layers (the widest figure has room for that many
+slanted names), plus every flagged one."""
+
+
+def named_layers(flagged: Sequence[bool], most: int = NAMED_MAX) -> tuple[list[int], int]:
+    """Which layers a figure's axis names: every ``k``-th so that at most about ``most`` are, and
+    every flagged one; and ``k``.
+
+    Example::
+
+        >>> named_layers([False] * 5)
+        ([0, 1, 2, 3, 4], 1)
+        >>> named_layers([False] * 7 + [True], most=3)
+        ([0, 3, 6, 7], 3)
+    """
+    every = max(1, math.ceil(len(flagged) / most))
+    return [i for i, bad in enumerate(flagged) if bad or i % every == 0], every
+
+
+def _finish(axes: Axes, layers: Sequence[str], flagged: Sequence[bool], title: str, ylabel: str) -> None:
+    axes.set_title(title, fontsize=11)
+    axes.set_ylabel(ylabel)
+    axes.set_xlim(-0.6, len(layers) - 0.4)
+    shown, every = named_layers(flagged)
+    axes.set_xticks(shown)
+    axes.set_xticklabels([layers[i] for i in shown], rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
+    for tick, i in zip(axes.get_xticklabels(), shown, strict=True):
+        if flagged[i]:
+            tick.set_color(_BAD_COLOR)
+    named = "" if every == 1 else f"; every {every}th named, and each flagged one"
+    axes.set_xlabel(f"layer (model order{named})")
+
+
+def _pixels(figure: Figure) -> NDArray[np.uint8]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()

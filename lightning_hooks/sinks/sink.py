@@ -1,0 +1,599 @@
+"""Where numbers go: the Trainer's loggers, each in its native form, from rank zero only.
+
+A :class:`Sink` is what a callback writes through. Behind it, one backend per kind of Lightning
+logger receives a :class:`StepData`, everything one logging step of one callback sends, already
+on the host: the one device-to-host transfer of the step happened before, so another logger adds
+writes, never a device sync. Each backend writes through its Lightning logger object
+(``experiment``, ``run_id``, ``log_dir``), never through a connection of its own. ``wandb`` and
+``mlflow`` are imported only when a Trainer has their logger (which needs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import posixpath
+import re
+import tempfile
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
+
+import numpy as np
+from lightning.fabric.utilities.logger import _add_prefix
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from tensorboard.compat.proto.summary_pb2 import Summary
+from torch.utils.tensorboard.summary import custom_scalars
+from torch.utils.tensorboard.summary import text as text_summary
+
+from lightning_hooks.core.tables import Cell, Table
+from lightning_hooks.sinks.events import HistogramSummaries, ScalarSummaries, checksum_in_c, write_summary
+from lightning_hooks.sinks.layout import build_layout
+from lightning_hooks.stats.batch import Histogram
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import lightning.pytorch as pl
+    from numpy.typing import NDArray
+
+HISTOGRAMS, FIGURES, TEXT, TABLES = "histograms", "figures", "text", "tables"
+EXTRAS = (HISTOGRAMS, FIGURES, TEXT, TABLES)
+"""What a logger may take besides scalars, in the order messages name them."""
+
+STEP_KEY = "trainer/global_step"
+"""The key Lightning's ``WandbLogger`` logs the step under and plots every other key against."""
+
+
+@dataclass
+class StepData:
+    """What one logging step sends to the loggers, on the host: tags mapped to values."""
+
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    tables: dict[str, Table] = field(default_factory=dict)
+    images: dict[str, NDArray[np.uint8]] = field(default_factory=dict)
+    """``H x W x 3`` ``uint8`` pictures (the figures)."""
+
+    def kinds(self) -> list[str]:
+        """Which of :data:`EXTRAS` this step holds."""
+        held = {HISTOGRAMS: self.histograms, FIGURES: self.images, TEXT: self.texts, TABLES: self.tables}
+        return [kind for kind in EXTRAS if held[kind]]
+
+    def markdown(self) -> dict[str, str]:
+        """The texts and the tables (as markdown), by tag: what loggers without a table form show."""
+        return {**self.texts, **{tag: table.markdown() for tag, table in self.tables.items()}}
+
+    def update(self, other: StepData) -> None:
+        """Add what ``other`` holds (a later value under the same tag wins)."""
+        for part in ("scalars", "histograms", "texts", "tables", "images"):
+            getattr(self, part).update(getattr(other, part))
+
+
+def markdown_section(step: int, body: str) -> str:
+    """One step's text or table in a markdown file that collects all of them."""
+    return f"## step {step}\n\n{body}\n\n"
+
+
+def _overrides_log_metrics(logger: Logger, base: type[Logger]) -> bool:
+    """A subclass with its own ``log_metrics``: it must see the scalars, whatever else it gets."""
+    return type(logger).log_metrics is not base.log_metrics
+
+
+class Backend:
+    """Writes :class:`StepData` to one logger. Holds no reference to it (it is cached per logger)."""
+
+    name: ClassVar[str] = ""
+    """How messages and the README name the logger kind; empty for a logger this library does not know."""
+    shows: ClassVar[frozenset[str]] = frozenset()
+    """Which of :data:`EXTRAS` it takes; every logger takes scalars."""
+
+    def __init__(self) -> None:
+        self.warned = False
+        """Whether the one warning this backend may give has been given."""
+
+    def write(self, logger: Any, data: StepData) -> None:
+        if data.scalars:
+            logger.log_metrics(data.scalars, step=data.step)
+
+    def layout(self, logger: Any, tags: Iterable[str], step: int) -> None:
+        """A run-wide chart layout over ``tags``; only TensorBoard has one."""
+
+    def flush(self, logger: Any) -> None:
+        """Put what the logger holds on disk now, e.g. before an exception ends the fit."""
+
+
+def _writes_events(logger: object) -> TypeGuard[TensorBoardLogger]:
+    """A TensorBoardLogger with Lightning's own ``log_metrics`` and torch's ``SummaryWriter``."""
+    return (
+        isinstance(logger, TensorBoardLogger)
+        and not _overrides_log_metrics(logger, TensorBoardLogger)
+        and hasattr(logger.experiment, "_get_file_writer")
+    )
+
+
+_EVENTS_KEPT = 8
+"""Lists of scalar tags a TensorBoard backend keeps the summary bytes of (one per callback, usually)."""
+
+
+class TensorBoardBackend(Backend):
+    """Scalars as one event per step, histograms, markdown text and tables, images, the custom-scalars layout."""
+
+    name = "TensorBoard"
+    shows = frozenset(EXTRAS)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout_tags: dict[str, None] = {}
+        """Every scalar tag a sink has put in this run's custom-scalars layout, in logging order."""
+        self.summaries: dict[tuple[str, ...], ScalarSummaries] = {}
+        """The scalar summaries of each list of tags written, made from bytes at the next step with the same tags."""
+        self.histogram_summaries: dict[tuple[str, ...], HistogramSummaries] = {}
+        """The same for the histograms' tags."""
+
+    @staticmethod
+    def checksum_in_c(logger: TensorBoardLogger) -> None:
+        """Records of the logger's event file get their CRCs from C: the same bytes, see :mod:`._events`."""
+        if hasattr(logger.experiment, "_get_file_writer"):
+            checksum_in_c(logger.experiment._get_file_writer())
+
+    def write(self, logger: TensorBoardLogger, data: StepData) -> None:
+        self.checksum_in_c(logger)
+        if data.scalars and _writes_events(logger):
+            # What `log_metrics` writes, prefix included, as one summary of many values: Lightning's
+            # writes one event per scalar, about 20 µs each, and a step can have a hundred or more.
+            # A callback logs the same tags at every logging step: the summary of a list of tags is serialised
+            # once and each step's values are written into its bytes, which are parsed into the step's event
+            # (see ScalarSummaries; setting 6,000 fields one by one cost 5 times as many instructions).
+            values = _add_prefix(data.scalars, logger._prefix, logger.LOGGER_JOIN_CHAR)
+            tags = tuple(values)
+            summaries = self.summaries.get(tags)
+            if summaries is None:
+                if len(self.summaries) >= _EVENTS_KEPT:
+                    self.summaries.clear()
+                summaries = self.summaries[tags] = ScalarSummaries(tags)
+            # The prefix changes only the tags.
+            write_summary(logger.experiment._get_file_writer(), summaries.serialised(data.scalars.values()), data.step)
+        else:
+            super().write(logger, data)
+        if not data.kinds():
+            return
+        writer = logger.experiment
+        # torch's SummaryWriter, whose file writer takes whole events; tensorboardX's has no such method
+        files = writer._get_file_writer() if hasattr(writer, "_get_file_writer") else None
+        if data.histograms and files is not None:
+            # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
+            # Made from bytes, like the scalars' summary (see HistogramSummaries).
+            # One concatenation (np.stack spends a Python-level step on each of 1,200 rows), then the rows back.
+            flat = np.concatenate([hist.row for hist in data.histograms.values()], dtype=np.float64)
+            rows = flat.reshape(len(data.histograms), -1)
+            tags = tuple(data.histograms)
+            histograms = self.histogram_summaries.get(tags)
+            if histograms is None or histograms.bins != rows.shape[1] - 5:
+                if len(self.histogram_summaries) >= _EVENTS_KEPT:
+                    self.histogram_summaries.clear()
+                histograms = self.histogram_summaries[tags] = HistogramSummaries(tags, rows.shape[1] - 5)
+            write_summary(files, histograms.serialised(rows), data.step)
+        else:
+            for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
+                writer.add_histogram_raw(
+                    tag,
+                    min=hist.min,
+                    max=hist.max,
+                    num=hist.num,
+                    sum=hist.sum,
+                    sum_squares=hist.sum_squares,
+                    bucket_limits=hist.bucket_limits,
+                    bucket_counts=hist.bucket_counts,
+                    global_step=data.step,
+                )
+        for tag, text in data.markdown().items():
+            if files is not None:
+                # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
+                summary = text_summary(tag, text)
+                summary.value[0].tag = tag
+                # A scalar string, not a 1-element vector: TensorBoard renders a vector as a table of
+                # cells, which would frame a markdown table inside another one.
+                summary.value[0].tensor.tensor_shape.ClearField("dim")
+                files.add_summary(summary, data.step)
+            else:  # pragma: no cover - tensorboardX writer
+                writer.add_text(tag, text, global_step=data.step)
+        for tag, image in data.images.items():
+            if files is not None:
+                files.add_summary(png_summary(tag, image), data.step)
+            else:  # pragma: no cover - tensorboardX writer
+                writer.add_image(tag, image, global_step=data.step, dataformats="HWC")
+
+    def layout(self, logger: TensorBoardLogger, tags: Iterable[str], step: int) -> None:
+        tags = list(tags)
+        if self.layout_tags.keys() >= set(tags):  # every logging step asks; a set compares in C
+            return
+        self.layout_tags.update(dict.fromkeys(tags))
+        layout = build_layout(self.layout_tags)
+        self.checksum_in_c(logger)
+        writer = logger.experiment
+        if layout and hasattr(writer, "_get_file_writer"):
+            writer._get_file_writer().add_summary(_closing_large_categories(custom_scalars(layout)), step)
+
+    def flush(self, logger: TensorBoardLogger) -> None:
+        logger.experiment.flush()
+
+
+OPEN_CHARTS_MAX = 12
+"""A custom-scalars category with more charts than this starts closed in TensorBoard."""
+
+
+def png_summary(tag: str, image: NDArray[np.uint8]) -> Summary:
+    """What ``SummaryWriter.add_image(tag, image, dataformats="HWC")`` writes for a ``uint8`` image, byte for byte.
+
+    Encoded with Pillow (matplotlib's own dependency) straight from the pixels: ``add_image``
+    first makes two float32 copies of them to scale and clip values that a ``uint8`` image
+    cannot need, 39 MB of peak memory for a 2,400-pixel-wide figure, against 2 MB here.
+    """
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    height, width, channels = image.shape
+    encoded = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=encoded)])
+
+
+def _closing_large_categories(summary: Any) -> Any:
+    """``summary`` (torch's custom-scalars summary) with its large categories closed.
+
+    TensorBoard draws every chart of every open category at once: a 24-layer transformer's
+    hundreds of charts keep a browser busy for minutes. Closed, a category costs one header until
+    the user opens it.
+    """
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    value = summary.value[0]
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(value.tensor.string_val[0])
+    for category in layout.category:
+        category.closed = len(category.chart) > OPEN_CHARTS_MAX
+    value.tensor.string_val[0] = layout.SerializeToString()
+    return summary
+
+
+class WandbBackend(Backend):
+    """The whole step in one ``run.log`` call, with the step under ``trainer/global_step``.
+
+    Lightning's ``WandbLogger.log_metrics`` logs ``{..., "trainer/global_step": step}`` without
+    ``step=``, so W&B's own step counts ``log`` calls, and the logger has W&B plot every key
+    against ``trainer/global_step``. Doing the same keeps W&B's counter increasing (a ``step=``
+    below it would be dropped with a warning) and puts each point at its optimizer step.
+    """
+
+    name = "W&B"
+    shows = frozenset(EXTRAS)
+
+    def write(self, logger: WandbLogger, data: StepData) -> None:
+        import wandb
+
+        row: dict[str, Any] = {}
+        if data.scalars and _overrides_log_metrics(logger, WandbLogger):
+            super().write(logger, data)
+        else:
+            row.update(_add_prefix(data.scalars, logger._prefix, logger.LOGGER_JOIN_CHAR))
+        for tag, hist in data.histograms.items():
+            edges = np.array([hist.min, *hist.bucket_limits])
+            row[tag] = wandb.Histogram(np_histogram=(np.array(hist.bucket_counts), edges))
+        for tag, text in data.texts.items():
+            row[tag] = wandb.Table(columns=["text"], data=[[line.rstrip()] for line in text.splitlines()])
+        for tag, table in data.tables.items():
+            row[tag] = wandb.Table(columns=list(table.columns), data=[list(r) for r in table.rows])
+        for tag, image in data.images.items():
+            row[tag] = wandb.Image(image)
+        if row:
+            logger.experiment.log({**row, STEP_KEY: data.step})
+
+
+def mlflow_key(tag: str) -> str:
+    """The metric key MLflow takes for a tag: characters other than letters, digits and ``_/.-``
+    and space removed (as Lightning's ``MLFlowLogger`` does), and no empty, ``.`` or ``..`` path
+    segment (MLflow refuses a key that path normalisation would change).
+
+    Example::
+
+        >>> mlflow_key("act_mean/head.out.logits")
+        'act_mean/head.out.logits'
+        >>> mlflow_key("act_mean/dec.out.a:b/")
+        'act_mean/dec.out.ab'
+    """
+    kept = re.sub(r"[^a-zA-Z0-9_/. -]+", "", tag)
+    return "/".join(part for part in kept.split("/") if part not in ("", ".", "..")) or "_"
+
+
+class MLflowBackend(Backend):
+    """Metrics through ``log_metrics``; figures, histograms, text and tables as run artifacts.
+
+    * figures: ``<tag>/step_<step>.png`` (``figures/gradient_flow/step_20.png``)
+    * histograms: ``histograms/step_<step>.json``, ``{"step": ..., "histograms": {tag: {...}}}``
+      with the fields of :class:`~lightning_hooks.stats.batch.Histogram`; every sink's histograms of a
+      step land in that step's one file
+    * text and tables: ``<tag>.md`` (``shapes/train.md``), a ``## step <step>`` section per write,
+      the newest last; a resumed run's file is read back once and continued
+    """
+
+    name = "MLflow"
+    shows = frozenset(EXTRAS)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.documents: dict[str, list[str]] = {}
+        """Artifact path of each markdown file -> its sections."""
+        self.histograms: tuple[int, dict[str, dict[str, Any]]] = (-1, {})
+        """The step of the last histogram file written, and what it holds."""
+
+    def write(self, logger: MLFlowLogger, data: StepData) -> None:
+        if data.scalars:
+            keys = {tag: mlflow_key(tag) for tag in data.scalars}
+            renamed = [f"`{tag}` → `{key}`" for tag, key in keys.items() if tag != key]
+            if renamed and not self.warned:
+                self.warned = True
+                rank_zero_warn(
+                    f"`{type(logger).__name__}`: MLflow metric keys may only hold letters, digits, `_`, `/`, `.`, `-` "
+                    f"and spaces, and no empty path segment; these tags are logged to MLflow under other keys: "
+                    f"{', '.join(renamed[:5])}"
+                    + (f" and {len(renamed) - 5} more" if len(renamed) > 5 else "")
+                    + " (warned once per logger)."
+                )
+            super().write(logger, dataclasses.replace(data, scalars={keys[t]: v for t, v in data.scalars.items()}))
+        if not data.kinds():
+            return
+        client, run_id = logger.experiment, logger.run_id
+        for tag, image in data.images.items():
+            client.log_image(run_id, image, artifact_file=f"{tag}/step_{data.step}.png")
+        if data.histograms:
+            step, held = self.histograms
+            if step != data.step:
+                held = {}
+            held.update({tag: hist.as_dict() for tag, hist in data.histograms.items()})
+            self.histograms = (data.step, held)
+            client.log_dict(run_id, {"step": data.step, "histograms": held}, f"histograms/step_{data.step}.json")
+        for tag, text in data.markdown().items():
+            path = f"{tag}.md"
+            if path not in self.documents:
+                self.documents[path] = _read_artifact(client, run_id, path)
+            self.documents[path].append(markdown_section(data.step, text))
+            client.log_text(run_id, "".join(self.documents[path]), path)
+
+
+def _read_artifact(client: Any, run_id: str | None, path: str) -> list[str]:
+    """``[text]`` of a run's text artifact, ``[]`` if the run has none at ``path``."""
+    folder = posixpath.dirname(path) or None
+    if not any(info.path == path for info in client.list_artifacts(run_id, folder)):
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        return [Path(client.download_artifacts(run_id, path, tmp)).read_text(encoding="utf-8")]
+
+
+class CSVBackend(Backend):
+    """Scalars through ``log_metrics``; text and tables appended to ``<log_dir>/<tag>.md``."""
+
+    name = "CSV"
+    shows = frozenset({TEXT, TABLES})
+
+    def write(self, logger: CSVLogger, data: StepData) -> None:
+        super().write(logger, data)
+        for tag, text in data.markdown().items():
+            path = Path(logger.log_dir, f"{tag}.md")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as file:
+                file.write(markdown_section(data.step, text))
+
+
+BACKENDS: tuple[tuple[type[Logger], type[Backend]], ...] = (
+    (TensorBoardLogger, TensorBoardBackend),
+    (WandbLogger, WandbBackend),
+    (MLFlowLogger, MLflowBackend),
+    (CSVLogger, CSVBackend),
+)
+"""The logger kinds this library knows, subclasses included; any other gets :class:`Backend`: scalars only."""
+
+_CACHE: weakref.WeakKeyDictionary[Logger, Backend] = weakref.WeakKeyDictionary()
+
+
+def backend(logger: Logger) -> Backend:
+    """The backend of ``logger``, one per logger object, shared by every sink that writes to it."""
+    found = _CACHE.get(logger)
+    if found is None:
+        kind = next((b for cls, b in BACKENDS if isinstance(logger, cls)), Backend)
+        found = _CACHE[logger] = kind()
+    return found
+
+
+def names_showing(kind: str) -> str:
+    """``"TensorBoard, W&B and MLflow"``: the logger kinds that take ``kind``."""
+    names = [b.name for _, b in BACKENDS if kind in b.shows]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
+
+@rank_zero_only
+def echo(text: str) -> None:
+    """Print on global rank zero only."""
+    print(text, flush=True)
+
+
+class Sink:
+    """Sends a callback's scalars, histograms, figures, text and tables to whatever loggers a Trainer has.
+
+    Each logger gets what it can show, in its own form (the backends below, and
+    the README's Loggers section): TensorBoard everything, W&B and MLflow everything but the
+    layout, CSV scalars and markdown files, a logger this library does not know scalars through
+    ``log_metrics`` and one warning naming what it does not get. When none of the Trainer's
+    loggers shows a kind that is sent (histograms with a CSV logger only), one warning per kind.
+
+    A call sends at once; :meth:`log_step` sends a whole logging step, and inside
+    :meth:`gathered` every call is held and each step sent as one :meth:`log_step` at the end, so
+    that each logger gets one write per step (W&B one ``log`` call). Only host numbers are
+    passed in: more loggers never mean more device syncs. Every write happens on global rank
+    zero only.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._warned: set[str] = set()
+        self.tags: dict[str, None] = {}
+        """Every scalar tag this sink has logged, in order (rank zero only)."""
+        self._held: dict[int, StepData] | None = None
+        self._held_layout: int | None = None
+        self._laid_out: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+        """How many of ``tags`` each backend's layout was last given (tags are only ever added)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_laid_out"]  # weak references do not pickle (DDP spawn pickles callbacks): a copy lays out anew
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._laid_out = weakref.WeakKeyDictionary()
+
+    def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
+        return [(logger, backend(logger)) for logger in trainer.loggers]
+
+    def _warn_unshown(self, backends: list[tuple[Logger, Backend]], kinds: Sequence[str]) -> None:
+        """Warn once per unknown logger, and once per kind that no logger of the Trainer shows."""
+        if not kinds:
+            return
+        for logger, found in backends:
+            if not found.name and not found.warned:
+                found.warned = True
+                rank_zero_warn(
+                    f"`{self.owner}` logs {', '.join(kinds)} and `{type(logger).__name__}` is not a logger "
+                    "lightning_hooks knows: it gets scalars only, through its `log_metrics`, and no histograms, "
+                    "figures, text or tables. TensorBoardLogger, WandbLogger, MLFlowLogger and CSVLogger get what "
+                    "they can show (README: Loggers)."
+                )
+        if all(not found.name for _, found in backends):
+            return
+        for kind in kinds:
+            if kind not in self._warned and not any(kind in found.shows for _, found in backends):
+                self._warned.add(kind)
+                have = ", ".join(f"`{type(logger).__name__}`" for logger, _ in backends)
+                rank_zero_warn(
+                    f"`{self.owner}` logs {kind} to {names_showing(kind)}, and the Trainer's loggers ({have}) "
+                    f"show none; {kind} are skipped (scalars still go to every logger)."
+                )
+
+    @rank_zero_only
+    def log_step(self, trainer: pl.Trainer, data: StepData) -> None:
+        """Send one logging step to every logger, one write each (a ``log`` call, an event, a batch)."""
+        if not self.tags.keys() >= data.scalars.keys():  # the same tags at every step: a lookup each, no new dict
+            self.tags.update(dict.fromkeys(data.scalars))
+        backends = self._backends(trainer)
+        self._warn_unshown(backends, data.kinds())
+        for logger, found in backends:
+            found.write(logger, data)
+
+    def _send(self, trainer: pl.Trainer, data: StepData) -> None:
+        if self._held is None:
+            self.log_step(trainer, data)
+        elif data.step in self._held:
+            self._held[data.step].update(data)
+        else:
+            self._held[data.step] = data
+
+    @contextlib.contextmanager
+    def gathered(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Hold every call of this sink inside the block; at its end send each step with :meth:`log_step`,
+        then the layout if it was asked for. Nested blocks are one block; an exception drops what was held."""
+        if self._held is not None:
+            yield
+            return
+        held: dict[int, StepData] = {}
+        self._held, self._held_layout = held, None
+        try:
+            yield
+            layout = self._held_layout
+        finally:
+            self._held, self._held_layout = None, None
+        for step in sorted(held):
+            self.log_step(trainer, held[step])
+        if layout is not None:
+            self.layout(trainer, layout)
+
+    @rank_zero_only
+    def scalars(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        if metrics:
+            self._send(trainer, StepData(step, scalars=dict(metrics)))
+
+    @rank_zero_only
+    def text(self, trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
+        """Markdown text: TensorBoard's Text tab, a W&B table with a row per line, ``<tag>.md`` for MLflow and CSV."""
+        self._send(trainer, StepData(step, texts={tag: text}))
+
+    @rank_zero_only
+    def table(
+        self,
+        trainer: pl.Trainer,
+        tag: str,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Cell]],
+        step: int,
+        caption: str = "",
+    ) -> None:
+        """Rows under named columns (one per module call, one per finding): a ``wandb.Table`` for W&B,
+        markdown (after ``caption`` in bold) for TensorBoard, and in ``<tag>.md`` for MLflow and CSV."""
+        self._send(trainer, StepData(step, tables={tag: Table.of(columns, rows, caption)}))
+
+    @rank_zero_only
+    def flush(self, trainer: pl.Trainer) -> None:
+        """Write what the loggers hold to disk now, e.g. before raising."""
+        for logger, found in self._backends(trainer):
+            found.flush(logger)
+
+    @rank_zero_only
+    def histograms(self, trainer: pl.Trainer, hists: dict[str, Histogram], step: int) -> None:
+        """Histograms counted on device (see :func:`lightning_hooks.stats.batch.histogram`), by tag."""
+        if hists:
+            self._send(trainer, StepData(step, histograms=hists))
+
+    def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
+        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures.
+
+        Without one, warns once when ``warn`` (figures that were asked for, not merely on by default).
+        """
+        if not trainer.is_global_zero:
+            return False
+        backends = self._backends(trainer)
+        if any(FIGURES in found.shows for _, found in backends):
+            return True
+        if warn:
+            self._warn_unshown(backends, [FIGURES])
+        return False
+
+    @rank_zero_only
+    def image(self, trainer: pl.Trainer, tag: str, image: NDArray[np.uint8], step: int) -> None:
+        """An ``H x W x 3`` ``uint8`` image: TensorBoard's Images tab, a ``wandb.Image``, an MLflow PNG artifact."""
+        self._send(trainer, StepData(step, images={tag: image}))
+
+    @rank_zero_only
+    def layout(self, trainer: pl.Trainer, step: int) -> None:
+        """Write the custom-scalars layout of each TensorBoard run when it has tags it did not have.
+
+        A run has one layout (TensorBoard shows the last one written), shared by every callback
+        that logs to it: the layout is built from the tags of all of their sinks, and written
+        again, at ``step``, whenever one of them logged a tag the layout did not cover yet. A
+        layout written by other code to the same run is replaced. Loggers other than
+        TensorBoard's have no such thing and are skipped without a warning. Inside
+        :meth:`gathered`, it is written after the held steps.
+        """
+        if self._held is not None:
+            self._held_layout = step
+            return
+        for logger, found in self._backends(trainer):
+            # As many tags as the backend was given last time are the same tags: nothing to lay out (comparing
+            # the sets of 4,400 tags at every logging step cost 2.5 M instructions).
+            if self._laid_out.get(found) != len(self.tags):
+                found.layout(logger, self.tags, step)
+                self._laid_out[found] = len(self.tags)

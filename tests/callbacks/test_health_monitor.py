@@ -1,0 +1,299 @@
+"""HealthMonitor: each check on a planted pathology through a real fit, what it writes, and its rules."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from benchmarks import health as planted
+from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
+from lightning_hooks.diagnose.health import HealthTracker, Snapshot, Thresholds, dead_units, gradient_spread
+from lightning_hooks.diagnose.report import summary
+from lightning_hooks.stats.batch import State
+from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
+from tests.support.zoo import SparseEmbeddingNet
+
+
+def fit(
+    tmp_path: Path, build: Callable[[], pl.LightningModule], steps: int, every: int = 5, **kwargs: object
+) -> tuple[HealthMonitor, list[str]]:
+    """Fit the model ``build`` makes (seeded) with a monitor; the monitor and the messages of the warnings it gave."""
+    pl.seed_everything(0, verbose=False)
+    model = build()
+    monitor = HealthMonitor(log_every_n_steps=every, **kwargs)  # type: ignore[arg-type]
+    trainer = make_trainer(tmp_path, [monitor], max_steps=steps, log_every_n_steps=every)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return monitor, [str(w.message) for w in caught if "`HealthMonitor` found" in str(w.message)]
+
+
+def only(findings: list[HealthFinding], check: str) -> list[HealthFinding]:
+    return [f for f in findings if f.check == check]
+
+
+def test_dead_units_are_named_in_the_relu_with_one_finding_warned_once_and_logged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monitor, warned = fit(tmp_path, planted.dead_relu, steps=31)
+    [dead] = only(monitor.findings, "dead_units")
+    assert dead.layers == ("net.1",)
+    assert (dead.step, dead.last_step) == (0, 30)  # one finding, held since step 0, advanced to the last check
+    assert dead.value == 1.0
+    assert dead.threshold == 0.25
+    assert "LeakyReLU" in dead.message
+    assert sum("dead_units" in w for w in warned) == 1
+    assert scalars(tmp_path, "health/dead_units") == {s: 1.0 if s >= 10 else 0.0 for s in range(0, 31, 5)}
+    tables = texts(tmp_path, "health/findings")
+    first = min(tables)
+    assert first == 10  # logged when the finding appeared (after `patience` checks), not at every check
+    assert "| dead_units | net.1 | 0 | 10 |" in tables[first]
+    assert "no problems" not in capsys.readouterr().out
+
+
+def test_vanishing_gradients_name_the_first_layer_of_a_deep_sigmoid_mlp(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, planted.sigmoid_mlp, steps=11)
+    vanishing = only(monitor.findings, "vanishing_gradients")
+    assert min(vanishing, key=lambda f: f.value).layers == ("net.0",)
+    assert all(f.value <= f.threshold == 1e-3 for f in vanishing)
+    assert not only(monitor.findings, "exploding_gradients")  # the large end of the spread is the healthy one
+
+
+def test_exploding_gradients_are_seen_between_logging_steps_before_the_overflow(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, planted.deep_linear, steps=11, every=10)
+    [exploding] = only(monitor.findings, "exploding_gradients")
+    assert exploding.step < 5
+    assert exploding.value >= exploding.threshold == 100
+    assert only(monitor.findings, "nonfinite")
+
+
+def test_update_ratio_names_the_layer_with_a_hundredfold_learning_rate(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, planted.fast_layer, steps=21)
+    assert [f.layers for f in only(monitor.findings, "update_ratio")] == [("net.2",)]
+
+
+def test_activation_growth_names_the_layer_that_grew(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, planted.hot_layer, steps=11, checks=["activation_growth"])
+    growth = only(monitor.findings, "activation_growth")
+    assert growth[0].layers == ("net.2",)
+    assert [f.check for f in monitor.findings] == ["activation_growth"] * len(growth)
+
+
+def test_a_loss_spike_on_a_quiet_step_is_found_at_its_step_and_attributed(tmp_path: Path) -> None:
+    monitor, warned = fit(tmp_path, lambda: planted.planted_model("spike", at_step=33), steps=41, every=10)
+    [spike] = only(monitor.findings, "loss_spike")
+    assert spike.step == 33
+    assert spike.layers[0] == "net.2"
+    assert spike.value > spike.threshold == 20
+    assert scalars(tmp_path, "health/loss_spike")[40] == len(spike.layers)
+    assert any("loss_spike" in w for w in warned)
+
+
+def test_nonfinite_names_the_first_layer_in_model_order_and_stays_one_finding(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, lambda: planted.planted_model("nan", at_step=10), steps=21)
+    [nonfinite] = only(monitor.findings, "nonfinite")
+    assert nonfinite.layers[0] == "net.2"
+    assert nonfinite.step == 10
+    assert nonfinite.last_step == 20
+
+
+def test_nonfinite_names_what_a_nonfinite_guard_in_the_same_trainer_found(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    # a quiet step: the guard skips it, the monitor sees the loss in its ring
+    model = planted.planted_model("nan", at_step=7, once=True)
+    monitor = HealthMonitor(log_every_n_steps=5)
+    guard = NonFiniteGuard(action="skip_step")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [guard, monitor], max_steps=11, log_every_n_steps=5).fit(model)
+    assert guard.last_finding is not None
+    assert guard.last_finding.step == 7
+    [nonfinite] = only(monitor.findings, "nonfinite")
+    assert nonfinite.layers == ("net.2",)
+    assert nonfinite.step == 7
+    assert "`NonFiniteGuard` found at step 7" in nonfinite.message
+
+
+def test_a_healthy_fit_finds_nothing_says_so_and_leaves_no_hook(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = TinyNet(n=64)
+    before = hook_state(model)
+    monitor, warned = fit(tmp_path, lambda: model, steps=12, every=2, exclude=["unused"])
+    assert monitor.findings == []
+    assert warned == []
+    assert "HealthMonitor: no problems found in 12 steps." in capsys.readouterr().out
+    assert hook_state(model) == before
+    assert set(scalars(tmp_path, "health/nonfinite")) == {0, 2, 4, 6, 8, 10}
+    assert "health/findings" not in [t for t in (tmp_path / "tb").rglob("*") if t.is_file()]
+
+
+class Scaled(torch.nn.Module):
+    """Multiplies by ``factor`` and casts to ``dtype``: a parameter-free leaf with half-precision outputs."""
+
+    def __init__(self, factor: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.factor, self.dtype = factor, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.factor).to(self.dtype)
+
+
+def half_precision_relu() -> planted.Planted:
+    """Half of a ReLU's units dead, in float16, on values whose squares do not fit in float16 (above 256)."""
+    first = torch.nn.Linear(16, 64)
+    with torch.no_grad():
+        first.bias[:32].fill_(-10.0)
+    net = torch.nn.Sequential(first, Scaled(300.0, torch.float16), torch.nn.ReLU(), Scaled(1 / 300, torch.float32))
+    return planted.Planted(torch.nn.Sequential(*net, torch.nn.Linear(64, 4)))
+
+
+def test_float16_outputs_are_counted_without_overflow(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, half_precision_relu, steps=11, checks=["dead_units", "nonfinite"])
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.2",), 0.5)]
+
+
+def test_checks_not_asked_for_are_not_run(tmp_path: Path) -> None:
+    monitor, _ = fit(tmp_path, planted.dead_relu, steps=16, checks=["vanishing_gradients"])
+    assert monitor.findings == []
+    assert monitor._ring is None  # no loss ring without loss_spike: quiet steps cost nothing
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"checks": ["dead_unit"]}, ValueError, r"`HealthMonitor` got `checks=\['dead_unit'\]`; `checks` must be"),
+        ({"checks": "nonfinite"}, TypeError, r"`checks` must be a list drawn from"),
+        ({"log_every_n_steps": 0}, ValueError, r"`log_every_n_steps=0`; `log_every_n_steps` must be a positive"),
+        ({"dead_fraction": "half"}, TypeError, r"`dead_fraction='half'`; `dead_fraction` must be a positive finite"),
+        ({"dead_fraction": 1.5}, ValueError, r"`dead_fraction` must be in \(0, 1\]"),
+        ({"gradient_spread": 0.5}, ValueError, r"`gradient_spread=0.5`; `gradient_spread` must be a number above 1"),
+        ({"spike_threshold": math.inf}, ValueError, r"`spike_threshold` must be a positive finite number"),
+        ({"update_ratio_low": 1.0}, ValueError, r"`update_ratio_low` must be below `update_ratio_high`"),
+        ({"patience": 0}, ValueError, r"`patience=0`; `patience` must be a positive integer\."),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        HealthMonitor(**kwargs)
+
+
+def snapshot(step: int, **kwargs: object) -> Snapshot:
+    return Snapshot(step=step, order=["fc1", "act", "pool", "fc2"], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fired", "expected"),
+    [
+        ([3.0, 5.0, 1.0, 9.0], []),  # every unit fired for some sample
+        ([0.0, 5.0, 1.0, 9.0], [0.25]),  # a quarter never fired: at the line
+        ([0.0, 0.0, 0.0, 0.0], [1.0]),
+    ],
+)
+def test_dead_units_count_units_not_zeros(fired: list[float], expected: list[float]) -> None:
+    act = {"act": State(numel=64), "pool": State(numel=64)}
+    found = dead_units(snapshot(3, activations=act, units={"act": fired, "pool": fired}), Thresholds())
+    # the pooling layer after the ReLU carries the same dead units on and is not named again
+    assert [(e.layers, e.value) for e in found] == [(("act",), v) for v in expected]
+
+
+def test_a_layer_with_weights_between_two_dead_relus_ends_the_chain() -> None:
+    dead = [0.0, 0.0, 3.0, 4.0]
+    snap = Snapshot(
+        step=3,
+        order=["act", "fc", "act2", "pool"],
+        activations={name: State(numel=64) for name in ("act", "act2", "pool")},
+        units={"act": dead, "act2": dead, "pool": dead},
+        leaves_with_params=frozenset({"fc"}),
+    )
+    assert [e.layers for e in dead_units(snap, Thresholds())] == [("act",), ("act2",)]
+
+
+def test_dead_units_need_enough_samples_per_unit() -> None:
+    found = dead_units(snapshot(3, activations={"act": State(numel=4)}, units={"act": [0.0, 1.0]}), Thresholds())
+    assert found == []  # two samples per unit: a healthy ReLU is often zero for both
+
+
+def grads(**means: float) -> dict[str, State]:
+    return {name: State(numel=10, abs_sum=10 * mean, sum_sq=10 * mean * mean) for name, mean in means.items()}
+
+
+def test_a_spread_of_gradients_along_the_depth_is_named_at_its_input_end() -> None:
+    vanishing = gradient_spread(snapshot(0, grads=grads(fc1=1e-7, pool=1e-3, fc2=1.0)), Thresholds())
+    assert [(e.check, e.layers) for e in vanishing] == [("vanishing_gradients", ("fc1",))]
+    exploding = gradient_spread(snapshot(0, grads=grads(fc1=1e4, pool=1.0, fc2=1e-4)), Thresholds())
+    assert [(e.check, e.layers) for e in exploding] == [("exploding_gradients", ("fc1",))]
+
+
+def test_a_finding_that_keeps_holding_is_one_finding_whose_last_step_advances() -> None:
+    tracker = HealthTracker(["vanishing_gradients"], Thresholds(patience=2))
+    sick = grads(fc1=1e-7, pool=1e-3, fc2=1.0)
+    assert tracker.update(snapshot(0, grads=sick)) == []  # once is not yet a finding
+    [new] = tracker.update(snapshot(5, grads=sick))
+    assert (new.step, new.last_step) == (0, 5)
+    assert tracker.update(snapshot(10, grads=sick)) == []
+    assert [(f.step, f.last_step) for f in tracker.findings] == [(0, 10)]
+    tracker.update(snapshot(15, grads=grads(fc1=1.0, pool=1.0, fc2=1.0)))  # healed
+    tracker.update(snapshot(20, grads=sick))
+    tracker.update(snapshot(25, grads=sick))  # back again: the same finding, not a new one
+    assert [(f.step, f.last_step) for f in tracker.findings] == [(0, 25)]
+
+
+def test_the_summary_has_a_line_per_finding() -> None:
+    finding = HealthFinding("nonfinite", ("fc1",), 4, 9, 3.0, 0.0, "Look at fc1.")
+    assert summary([finding], 10).splitlines() == [
+        "HealthMonitor: 1 problem(s) found in 10 steps:",
+        "  nonfinite in fc1 (steps 4-9): Look at fc1.",
+    ]
+
+
+def test_on_a_cpu_the_ring_takes_norms_only_where_a_spike_could_need_them() -> None:
+    from lightning_hooks.callbacks.health_monitor import _LossRing
+    from lightning_hooks.stats.batch import StatBatch
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    ring = _LossRing([weight], size=8, device=torch.device("cpu"))
+    ring.line = 1.0
+    for step, loss, logging in [(0, 0.5, True), (1, 0.5, False), (2, 3.0, False), (3, math.nan, False)]:
+        ring.loss(step, torch.tensor(loss))
+        ring.norms(step, logging)
+    batch = StatBatch()
+    batch.start()
+    assert ring.hand_over(batch) == ([0, 1, 2, 3], {0, 2, 3})  # not step 1: quiet, below the line
+    fetched = batch.fetch()
+    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 3)
+    assert fetched.vectors[("ring", "loss")][:3] == [0.5, 0.5, 3.0]
+
+
+def test_the_monitor_pickles_during_fit_without_the_model(tmp_path: Path) -> None:
+    monitor = HealthMonitor(log_every_n_steps=2, exclude=["unused"])
+    sizes = Probe("on_train_batch_end", lambda trainer, pl_module, *args: len(pickle.dumps(monitor)))
+    make_trainer(tmp_path, [monitor, sizes], max_steps=4).fit(TinyNet())
+    assert len(sizes.seen) == 4
+    assert max(sizes.seen) < 20_000  # findings and settings, no parameters or ring of tensors
+
+
+def test_without_a_logger_it_still_finds_warns_and_sums_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pl.seed_everything(0, verbose=False)
+    monitor = HealthMonitor(log_every_n_steps=5, checks=["dead_units"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [monitor], logger=False, max_steps=16).fit(planted.dead_relu())
+    assert [(f.check, f.layers) for f in monitor.findings] == [("dead_units", ("net.1",))]
+    assert sum("`HealthMonitor` found dead_units" in str(w.message) for w in caught) == 1
+    assert "HealthMonitor: 1 problem(s) found in 16 steps:" in capsys.readouterr().out
+
+
+def test_a_sparse_gradient_is_watched_in_its_dense_form(tmp_path: Path) -> None:
+    # Gradient norms are taken on every logging step, and on quiet steps by the loss-spike ring.
+    monitor, _ = fit(tmp_path, SparseEmbeddingNet, steps=11, every=5)
+    assert sorted(scalars(tmp_path, "health/exploding_gradients")) == [0, 5, 10]  # logged: the check ran
+    assert not only(monitor.findings, "nonfinite")

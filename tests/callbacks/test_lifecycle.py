@@ -1,0 +1,74 @@
+"""Hooks leave with fit, whichever way fit ends."""
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hooks import GradClamp, ShapeLogger
+from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, texts
+
+
+@pytest.mark.parametrize("failure", [None, RuntimeError, KeyboardInterrupt])
+def test_no_hook_left_behind(tmp_path: Path, failure: type[BaseException] | None) -> None:
+    model = TinyNet(fail_at=3 if failure else None, fail_with=failure or RuntimeError)
+    before = hook_state(model)
+    seen_during_fit: list[dict] = []
+
+    class Spy(ShapeLogger):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            seen_during_fit.append(hook_state(pl_module))
+
+    trainer = make_trainer(tmp_path, [Spy(), GradClamp(0.1)], max_steps=5)
+    if failure is RuntimeError:
+        with pytest.raises(RuntimeError, match="planned failure"):
+            trainer.fit(model)
+    elif failure is KeyboardInterrupt:
+        # Lightning shuts down gracefully, ignores further Ctrl+C and exits with status 1.
+        try:
+            with pytest.raises(SystemExit):
+                trainer.fit(model)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    else:
+        trainer.fit(model)
+    assert seen_during_fit, "fit never reached a training step"
+    assert seen_during_fit[0] != before, "hooks were not attached during fit"
+    assert seen_during_fit[0]["module:unused"] != before["module:unused"]
+    assert hook_state(model) == before
+    # What was logged before the failure is on disk and readable.
+    assert 0 in texts(tmp_path, "shapes/train")
+
+
+def largest_gradient(trainer: object, model: torch.nn.Module, optimizer: object) -> float:
+    return max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+
+
+def test_same_instances_serve_a_second_fit(tmp_path: Path) -> None:
+    shapes, clamp = ShapeLogger(), GradClamp(0.05)
+    model = TinyNet(lr=0.5)
+    make_trainer(tmp_path / "one", [shapes, clamp], max_steps=2).fit(model)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    probe = Probe("on_before_optimizer_step", largest_gradient)
+    make_trainer(tmp_path / "two", [shapes, clamp, probe], max_steps=4).fit(model)
+    assert 0 in texts(tmp_path / "two", "shapes/train")
+    assert any(not torch.equal(first[k], v) for k, v in model.state_dict().items())
+    # Still clamping in the second fit: gradients reach the bound and none escapes it.
+    assert len(probe.seen) == 4
+    assert max(probe.seen) == pytest.approx(0.05)
+    assert hook_state(model) == hook_state(TinyNet())
+
+
+def test_validate_test_and_predict_attach_nothing(tmp_path: Path) -> None:
+    model = TinyNet()
+    before = hook_state(model)
+    seen: list[dict] = []
+
+    class Spy(ShapeLogger):
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):  # type: ignore[no-untyped-def]
+            seen.append(hook_state(pl_module))
+
+    make_trainer(tmp_path, [Spy(), GradClamp(0.1)], limit_val_batches=1).validate(model)
+    assert seen == [before]

@@ -1,0 +1,231 @@
+"""torch.compile: compiled regions are observed with no dynamo setting, no graph break and two graphs per region."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard, ShapeLogger
+from lightning_hooks.recorders.gradients import _READERS
+from tests.support.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
+
+N = 48
+"""Three full batches of 16: one input shape, so each variant of a region is compiled once."""
+
+COMPARED = (
+    "act_mean/body.fc1",
+    "act_std/body.fc2",
+    "act_zero_frac/body.act",  # called twice: both calls pooled
+    "act_abs_max/body",
+    "act_mean/head",
+    "out_grad_norm/body.fc1",
+    "out_grad_norm/body.act",
+    "out_grad_abs_max/body",
+    "grad_norm/body.fc1.weight",
+)
+
+
+class Body(nn.Module):
+    """Two layers and a ReLU module called after each."""
+
+    def __init__(self, last: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(4, 8), nn.Linear(8, 8), nn.ReLU()
+        self.last = last or nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class CompiledBody(TinyNet):
+    """``self.body = torch.compile(Body())`` in ``__init__``, followed by an eager head."""
+
+    def __init__(self, compiled: bool = True, last: nn.Module | None = None, n: int = N) -> None:
+        super().__init__(n=n)
+        del self.fc1, self.fc2, self.act, self.unused
+        torch.manual_seed(0)
+        body = Body(last)
+        self.body = torch.compile(body) if compiled else body
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class Whole(TinyNet):
+    """TinyNet with every module in use, for ``trainer.fit(torch.compile(model))``."""
+
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        del self.unused
+
+
+def statistics() -> list[Any]:
+    """The statistics callbacks, logging every 2 steps: a region's logging graph computes all their statistics."""
+    return [ActivationStats(log_every_n_steps=2, histograms=True), GradStats(log_every_n_steps=2)]
+
+
+def observers() -> list[Any]:
+    # ShapeLogger records step 0 only (its period is longer than the fit), so later logging
+    # steps run the compiled logging graph.
+    return [*statistics(), ShapeLogger(log_every_n_steps=100)]
+
+
+def warm_up(model: CompiledBody) -> None:
+    """A forward and backward before any fit: the region's graphs are cached without hooks."""
+    model(model.x[:16]).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+@dataclass
+class Run:
+    root: Path
+    model: CompiledBody
+    graphs: int = 0
+    breaks: int = 0
+    caught: list[str] = field(default_factory=list)
+
+
+def fit(root: Path, model: Any, callbacks: list[Any], **kwargs: Any) -> Run:
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(root, callbacks, **kwargs).fit(model)
+    return Run(
+        root,
+        model,
+        counters["stats"]["unique_graphs"],
+        sum(counters["graph_break"].values()),
+        [str(w.message) for w in caught],
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("compile")
+    eager = fit(root / "eager", CompiledBody(compiled=False), observers())
+    model = CompiledBody()
+    warm_up(model)
+    entry = model.body.__dict__["forward"]
+    hooks = Probe("on_train_end", lambda trainer, pl_module: [weakref.ref(h) for h in forward_hooks(pl_module)])
+    compiled = fit(root / "compiled", model, [*observers(), hooks])
+    return {"eager": eager, "compiled": compiled, "entry": entry, "hooks": hook_state(model), "refs": hooks.seen[0]}
+
+
+def forward_hooks(model: nn.Module) -> list[Any]:
+    return [hook for module in model.modules() for hook in module._forward_hooks.values()]
+
+
+def test_compiled_region_reports_what_eager_reports(runs: dict[str, Any]) -> None:
+    eager, compiled = runs["eager"], runs["compiled"]
+    for tag in COMPARED:
+        want, got = scalars(eager.root, tag), scalars(compiled.root, tag)
+        assert sorted(got) == [0, 2, 4], tag
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
+    want, got = events(eager.root).Histograms("act/body.act"), events(compiled.root).Histograms("act/body.act")
+    assert [h.histogram_value.num for h in got] == [h.histogram_value.num for h in want] == [256.0] * 3
+    assert [h.histogram_value.max for h in got] == pytest.approx([h.histogram_value.max for h in want], rel=1e-6)
+    assert not [t for t in events(compiled.root).Tags()["scalars"] if "_orig_mod" in t]
+    assert "| body.fc1 | Linear | [16, 4] | [16, 8] |" in texts(compiled.root, "shapes/train")[0]
+    assert not [w for w in compiled.caught if "never ran" in w or "recompile" in w]
+
+
+def test_two_graphs_and_no_graph_break_per_region(runs: dict[str, Any]) -> None:
+    # The region had run before the fit: its cached graph (no hooks) is not used, the quiet and the
+    # logging graphs are compiled, and nothing breaks a graph, forward or backward.
+    assert runs["compiled"].graphs == 2
+    assert runs["compiled"].breaks == 0
+
+
+def test_after_fit_the_region_runs_as_before(runs: dict[str, Any]) -> None:
+    model = runs["compiled"].model
+    assert set(runs["hooks"].values()) <= {(0,) * 7, (0, 0)}
+    assert not _READERS
+    assert model.body.__dict__["forward"] is runs["entry"]
+    gc.collect()  # the fresh entry point, its compiled graphs and the hooks they inlined are gone with it
+    assert len(runs["refs"]) == 2 * 5  # ActivationStats and GradStats on body and its 4 modules (head: eager)
+    assert [ref() for ref in runs["refs"]] == [None] * len(runs["refs"])
+    counters.clear()
+    model(model.x[:16]).sum().backward()  # the graph cached before the fit, with no hook in it
+    assert counters["stats"]["unique_graphs"] == 0
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_second_fit_on_the_same_compiled_model(runs: dict[str, Any], tmp_path: Path) -> None:
+    model = runs["compiled"].model
+    second = fit(tmp_path, model, [ActivationStats(log_every_n_steps=1, include=["body.*"])], max_steps=2)
+    assert sorted(scalars(tmp_path, "act_mean/body.fc2")) == [0, 1]
+    assert second.graphs == 1  # the logging graph only: every step logs
+    assert second.breaks == 0
+    assert not [w for w in second.caught if "never ran" in w]
+    assert model.body.__dict__["forward"] is runs["entry"]
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_grad_clamp_and_nonfinite_guard_train_as_eager(tmp_path: Path) -> None:
+    def guarded() -> list[Any]:
+        return [GradClamp(0.01), NonFiniteGuard()]
+
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), guarded(), logger=False)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), guarded(), logger=False)
+    for (name, want), got in zip(eager.model.named_parameters(), compiled.model.parameters(), strict=True):
+        assert torch.allclose(got, want, atol=1e-6), name
+    assert compiled.breaks == 0
+
+
+@pytest.mark.parametrize("mode", ["replay", "eager"])
+def test_nonfinite_guard_names_a_layer_inside_a_compiled_region(tmp_path: Path, mode: Any) -> None:
+    model = CompiledBody(last=Log())  # log of zeros after the ReLU: -inf
+    with pytest.raises(NonFiniteError, match=r"body\.last") as raised:
+        make_trainer(tmp_path, [NonFiniteGuard(mode=mode)], logger=False).fit(model)
+    assert raised.value.finding is not None
+    assert raised.value.finding.layer == "body.last"
+    assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
+
+
+def test_a_lightning_module_compiled_whole(tmp_path: Path) -> None:
+    def callbacks() -> list[Any]:
+        return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2)]
+
+    torch.manual_seed(0)
+    eager = fit(tmp_path / "eager", Whole(), callbacks())
+    torch.manual_seed(0)
+    model = Whole()
+    compiled = fit(tmp_path / "compiled", torch.compile(model), callbacks())
+    for tag in ("act_mean/fc1", "act_zero_frac/act", "act_std/root", "out_grad_norm/fc2", "out_grad_norm/root"):
+        want, got = scalars(eager.root, tag), scalars(compiled.root, tag)
+        assert sorted(got) == [0, 2, 4], tag
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
+    assert (compiled.graphs, compiled.breaks) == (2, 0)
+    assert not [w for w in compiled.caught if "never ran" in w]
+    assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
+
+
+def test_health_monitor_beside_a_compiled_region_says_what_it_leaves_out(tmp_path: Path) -> None:
+    from lightning_hooks import HealthMonitor
+
+    model = CompiledBody()
+    before = hook_state(model)
+    monitor = HealthMonitor(log_every_n_steps=1)
+    run = fit(tmp_path, model, [monitor, ActivationStats(log_every_n_steps=2)], max_steps=3)
+    told = [m for m in run.caught if "does not count units inside torch.compile'd regions" in m]
+    assert len(told) == 1
+    assert "body.fc1, body.fc2, body.act" in told[0]
+    assert not [m for m in run.caught if "never ran" in m]
+    assert scalars(tmp_path, "health/dead_units") == {0: 0.0, 1: 0.0, 2: 0.0}
+    assert run.breaks == 0
+    assert hook_state(model) == before

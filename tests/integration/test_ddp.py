@@ -1,0 +1,106 @@
+"""Real 2-process DDP on CPU with gloo, for both launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_hooks import ActivationStats, HealthMonitor
+from tests.support.helpers import TinyNet, events, make_trainer, scalars
+
+pytestmark = pytest.mark.ddp
+SCRIPT = Path(__file__).parents[1] / "support" / "ddp_run.py"
+
+
+def run(strategy: str, out: Path, *extra: str) -> str:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def expected_weights(out: Path, value: float) -> dict[str, torch.Tensor]:
+    """Each rank clamps the gradient of its own batch, DDP averages, SGD(lr=0.1) steps."""
+    model = TinyNet()
+    model.load_state_dict(torch.load(out / "initial.pt"))
+    batches = [torch.load(out / f"batches_rank{rank}.pt") for rank in range(2)]
+    for step in range(len(batches[0])):
+        grads = []
+        for rank in range(2):
+            x, y = batches[rank][step]
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.clamp(-value, value) for p in model.parameters() if p.grad is not None])
+        with torch.no_grad():
+            params = [p for p in model.parameters() if p.grad is not None]
+            for param, g0, g1 in zip(params, *grads, strict=True):
+                param -= 0.1 * (g0 + g1) / 2
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_all_callbacks_under_ddp(strategy: str, tmp_path: Path) -> None:
+    stdout = run(strategy, tmp_path)
+    assert stdout.count("ShapeLogger:") == 1, "only rank zero prints, once"
+    assert "[8, 4]" in stdout
+    assert len({p.parent for p in tmp_path.rglob("events.out.tfevents.*")}) == 1, "only rank zero writes events"
+    result = json.loads((tmp_path / "result.json").read_text())
+    if strategy == "ddp":
+        assert result["pickled_during_fit"]
+    # GradClamp ran on every rank, before the all-reduce.
+    final = torch.load(tmp_path / "final.pt")
+    expected = expected_weights(tmp_path, 0.05)
+    for name, tensor in expected.items():
+        assert torch.allclose(final[name], tensor, atol=1e-6), name
+    # Activation statistics are those of the global batch: compare with one process on the union.
+    union = TinyNet(batch_size=16)
+    union.load_state_dict(torch.load(tmp_path / "initial.pt"))
+    first = [torch.load(tmp_path / f"batches_rank{rank}.pt")[0] for rank in range(2)]
+    union.x, union.y = torch.cat([x for x, _ in first]), torch.cat([y for _, y in first])
+    make_trainer(tmp_path / "single", [ActivationStats(log_every_n_steps=1)], max_steps=1).fit(union)
+    for tag in ("act_mean/fc1", "act_std/fc1", "act_abs_max/head", "act_zero_frac/act"):
+        ddp_value = scalars(tmp_path / "tb", tag)[0]
+        assert ddp_value == pytest.approx(scalars(tmp_path / "single", tag)[0], rel=1e-5), tag
+    tags = events(tmp_path / "tb").Tags()
+    assert {"grad_norm/fc1.weight", "out_grad_norm/fc1", "grad_clamp/clamped_fraction"} <= set(tags["scalars"])
+    assert "shapes/train" in tags["tensors"]
+
+
+def test_ranks_with_different_batch_shapes_do_not_deadlock(tmp_path: Path) -> None:
+    run("ddp", tmp_path, "--uneven")
+    mean = scalars(tmp_path / "tb", "act_mean/fc1")
+    assert sorted(mean) == [0, 1]
+
+
+def test_health_monitor_decides_on_rank_zero_from_the_pooled_statistics(tmp_path: Path) -> None:
+    """Each rank alone has half the ReLU's units dead for its whole batch; pooled over both, none is."""
+    stdout = run("ddp", tmp_path, "--health")
+    assert stdout.count("HealthMonitor: no problems found in 4 steps.") == 1  # rank zero prints, once
+    assert scalars(tmp_path / "tb", "health/dead_units") == {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}
+    # What rank zero would have said from its own batches alone:
+    from tests.support.ddp_run import HalfDeadOnEachRank
+
+    alone = HalfDeadOnEachRank(batch_size=8)
+    alone.load_state_dict(torch.load(tmp_path / "initial.pt"))
+    alone.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
+        torch.utils.data.TensorDataset(-alone.x.abs(), alone.y), batch_size=8
+    )
+    monitor = HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"])
+    make_trainer(tmp_path / "alone", [monitor], max_steps=4).fit(alone)
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("act",), 0.5)]

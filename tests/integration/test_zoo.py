@@ -1,0 +1,127 @@
+"""Every callback at once on every zoo model, in a real fit: nothing crashes, what is logged is right."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
+
+from lightning_hooks import ActivationStats, GradClamp, GradStats, ShapeLogger, trace_shapes
+from lightning_hooks.core.nested import named_tensors
+from lightning_hooks.core.select import label
+from lightning_hooks.recorders.shapes import format_markdown
+from tests.support.helpers import events, hook_state, make_trainer, scalars, texts
+from tests.support.zoo import ZOO, CheckpointNet, TransformerNet, ZooModule
+
+
+def every_callback() -> list[pl.Callback]:
+    return [ShapeLogger(), GradClamp(0.5), GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
+
+
+def fit(model: ZooModule, root: Path) -> list[str]:
+    """Fit two steps with every callback; return the warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(root, every_callback(), max_steps=2, log_every_n_steps=1).fit(model)
+    return [str(w.message) for w in caught if "lightning_hooks" in w.filename or "`" in str(w.message)]
+
+
+@pytest.mark.parametrize("model_class", ZOO, ids=lambda c: c.__name__)
+def test_every_callback_on_every_model(tmp_path: Path, model_class: type[ZooModule]) -> None:
+    torch.manual_seed(0)
+    model = model_class()
+    initial = copy.deepcopy(model)
+    before = hook_state(model)
+    messages = fit(model, tmp_path)
+
+    assert hook_state(model) == before
+    assert all(n == 1 for n in Counter(messages).values()), f"a warning repeated: {messages}"
+
+    # The table is that of a plain forward with the same input.
+    x = initial.x[: initial.batch_size]
+    expected = format_markdown(trace_shapes(copy.deepcopy(initial), x, **initial.call_kwargs))
+    assert texts(tmp_path, "shapes/train")[0].endswith(expected)
+
+    # Statistics of the probe layer equal an independent computation on the first batch.
+    outputs: list[torch.Tensor] = []
+    probe = initial.get_submodule(initial.probe)
+    probe.register_forward_hook(lambda m, a, out: outputs.append(named_tensors(out)[0][1].detach()))
+    initial.train()
+    initial.run(x)
+    paths = [p for p, t in named_tensors_of(initial, x) if t.is_floating_point()]
+    tag = label(initial.probe) + (f".out.{paths[0]}" if paths[0] else "")
+    assert scalars(tmp_path, f"act_mean/{tag}")[0] == pytest.approx(
+        float(outputs[0].double().mean()), rel=1e-4, abs=1e-6
+    )
+
+    # Every parameter that receives a gradient is reported, under its first name.
+    initial.zero_grad()
+    initial.training_step((x, initial.y[: initial.batch_size]), 0).backward()
+    with_grad = {n for n, p in initial.named_parameters() if p.grad is not None}
+    logged = events(tmp_path).Tags()["scalars"]
+    assert {t.split("/", 1)[1] for t in logged if t.startswith("grad_norm/")} == with_grad
+
+
+def named_tensors_of(model: ZooModule, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    found: list[tuple[str, torch.Tensor]] = []
+    handle = model.get_submodule(model.probe).register_forward_hook(lambda m, a, out: found.extend(named_tensors(out)))
+    model.run(x)
+    handle.remove()
+    return found
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_checkpoint_recompute_is_not_counted_twice(tmp_path: Path, early_stop: bool) -> None:
+    set_checkpoint_early_stop(early_stop)
+    try:
+        model = CheckpointNet()
+        initial = copy.deepcopy(model)
+        fit(model, tmp_path)
+    finally:
+        set_checkpoint_early_stop(True)
+    table = texts(tmp_path, "shapes/train")[0]
+    assert table.count("| block.0 |") == 1
+    out = initial.block[0](initial.x[:8]).detach().double()
+    assert scalars(tmp_path, "act_std/block.0")[0] == pytest.approx(float(out.std(correction=0)), rel=1e-5)
+
+
+def test_modules_that_never_run_are_named_once(tmp_path: Path) -> None:
+    # A frozen encoder in eval mode takes PyTorch's fast path: its layers' forwards never run.
+    messages = fit(TransformerNet(frozen_eval=True), tmp_path)
+    never = [m for m in messages if "never ran" in m]
+    assert len(never) == 1
+    assert "encoder.layers.0.self_attn" in never[0]
+
+
+def test_the_never_ran_warning_comes_once_per_fit_not_once_per_process(tmp_path: Path) -> None:
+    model = TransformerNet(frozen_eval=True)
+    for run in ("first", "second"):  # the same model in a new Trainer is a new fit: the user is told again
+        never = [m for m in fit(model, tmp_path / run) if "never ran" in m]
+        assert len(never) == 1, run
+
+
+class StackNet(ZooModule):
+    """Blocks kept in an ``nn.ModuleList`` and ``nn.ModuleDict``, which are iterated, never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.heads = nn.ModuleDict({"out": nn.Linear(4, 3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.heads["out"](x)
+
+
+def test_containers_without_a_forward_are_not_called_silent(tmp_path: Path) -> None:
+    messages = fit(StackNet(), tmp_path)
+    assert not [m for m in messages if "never ran" in m], messages
+    assert "act_mean/blocks.1" in events(tmp_path).Tags()["scalars"]

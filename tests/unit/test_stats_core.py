@@ -1,0 +1,464 @@
+"""The statistics core on plain tensors: states, pooling, histograms and the one host transfer."""
+
+import math
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.recorders.activations import ActivationRecorder
+from lightning_hooks.recorders.gradients import ParamGradRecorder
+from lightning_hooks.stats import batch as _stats
+from lightning_hooks.stats.batch import (
+    HIST_SAMPLE,
+    Across,
+    Key,
+    StatBatch,
+    State,
+    combine,
+    derive,
+    histogram,
+    histograms,
+    norm_total,
+    observe,
+    observe_many,
+    pool,
+    state,
+    states,
+)
+
+
+def reference(t: torch.Tensor) -> dict[str, float]:
+    x = t.detach().double()
+    return {
+        "norm": float(torch.linalg.vector_norm(x)),
+        "mean": float(x.mean()),
+        "std": float(x.std(correction=0)),
+        "abs_max": float(x.abs().max()),
+        "zero_frac": float((x == 0).double().mean()),
+        "nonfinite": float((~torch.isfinite(x)).sum()),
+    }
+
+
+def seeded(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        seeded(1000, seed=0) * 5 + 3,
+        torch.relu(seeded(64, 32, seed=1)),
+        torch.full((7,), 2.5),
+        torch.tensor([1.0]),
+        seeded(3, 4, seed=2).half(),
+        torch.arange(10),
+    ],
+    ids=["shifted", "relu", "constant", "single", "half", "int"],
+)
+def test_a_state_gives_the_reference_statistics(tensor: torch.Tensor) -> None:
+    got = derive(state(tensor))
+    for name, value in reference(tensor).items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_nonfinite_values_are_counted() -> None:
+    got = derive(state(torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])))
+    assert got["nonfinite"] == 3
+    assert got["zero_frac"] == pytest.approx(0.2)
+    assert math.isnan(got["mean"])
+
+
+def test_pooled_states_equal_the_concatenation() -> None:
+    parts = [seeded(n, seed=3 + i) * (i + 1) + i for i, n in enumerate((10, 300, 1))]
+    table = states([observe(p) for p in parts], torch.device("cpu"))
+    pooled = State._make(pool(table, torch.tensor([0, 0, 0]), 1)[0].tolist())
+    got = derive(pooled)
+    for name, value in reference(torch.cat(parts)).items():
+        assert got[name] == pytest.approx(value, rel=1e-5), name
+    assert derive(combine([state(p) for p in parts])) == pytest.approx(got, rel=1e-12)
+
+
+def test_pooling_keeps_keys_apart() -> None:
+    a, b = seeded(50, seed=7), seeded(20, seed=8) * 3
+    table = states([observe(a[:30]), observe(b), observe(a[30:])], torch.device("cpu"))
+    pooled = pool(table, torch.tensor([0, 1, 0]), 2)
+    assert derive(State._make(pooled[0].tolist())) == pytest.approx(reference(a), rel=1e-5)
+    assert derive(State._make(pooled[1].tolist())) == pytest.approx(reference(b), rel=1e-5)
+
+
+def test_a_nan_peak_wins_the_max_in_any_order() -> None:
+    table = states([observe(torch.tensor([1.0, float("nan")])), observe(torch.tensor([5.0]))], torch.device("cpu"))
+    for order in ([0, 1], [1, 0]):
+        pooled = pool(table[order], torch.tensor([0, 0]), 1)
+        assert math.isnan(State._make(pooled[0].tolist()).abs_max)
+    finite = states([observe(torch.tensor([1.0, -7.0])), observe(torch.tensor([5.0]))], torch.device("cpu"))
+    assert State._make(pool(finite, torch.tensor([0, 0]), 1)[0].tolist()).abs_max == 7.0
+
+
+def test_empty_tensor_gives_no_statistics() -> None:
+    assert derive(state(torch.zeros(0))) == {}
+
+
+def test_norm_total_is_the_norm_of_all_tensors_together() -> None:
+    parts = [seeded(9, seed=9), seeded(4, 4, seed=10)]
+    expected = float(torch.linalg.vector_norm(torch.cat([p.flatten() for p in parts]).double()))
+    assert norm_total(state(p) for p in parts) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_tiny_spread_around_a_large_mean_keeps_its_precision() -> None:
+    t = 1000 + 1e-3 * seeded(4096, seed=5)
+    assert derive(state(t))["std"] == pytest.approx(reference(t)["std"], rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("nonfinite", [[], [math.nan, math.inf]], ids=["finite", "nan-inf"])
+def test_histogram_matches_histc_in_the_values_dtype_and_skips_nonfinite(
+    dtype: torch.dtype, nonfinite: list[float]
+) -> None:
+    t = seeded(5000, seed=4).to(dtype)
+    given = torch.cat([t, torch.tensor(nonfinite, dtype=dtype)])
+    row = histogram(given, 20).tolist()
+    lo, hi, num, total, squares = row[:5]
+    assert (lo, hi) == (float(t.min()), float(t.max()))
+    assert num == 5000
+    assert total == pytest.approx(float(t.double().sum()), rel=1e-5)
+    assert squares == pytest.approx(float(t.double().square().sum()), rel=1e-5)
+    assert row[5:] == torch.histc(t, bins=20, min=lo, max=hi).tolist()
+    assert torch.equal(given[:5000], t)  # the caller's values are left alone
+
+
+def fetch_histogram(calls: list[torch.Tensor], bins: int) -> tuple[list[float], list[float], float]:
+    batch = StatBatch(bins)
+    batch.start()
+    for values in calls:
+        batch.add(("act", "layer"), values, histogram=True)
+    hist = batch.fetch().histograms[("act", "layer")]
+    return hist.bucket_limits, hist.bucket_counts, hist.num
+
+
+def test_a_histogram_of_several_calls_counts_every_call_in_the_right_bucket() -> None:
+    # The reproduction of the bug: 1,000 values in [0, 1] then 3,000 in [10, 11].
+    first = torch.rand(1000, generator=torch.Generator().manual_seed(11))
+    second = 10 + torch.rand(3000, generator=torch.Generator().manual_seed(12))
+    limits, counts, num = fetch_histogram([first, second], 4)
+    everything = torch.cat([first, second]).double()
+    assert num == 4000
+    assert sum(counts) == 4000
+    assert limits[-1] == pytest.approx(float(everything.max()))
+    expected = torch.histc(everything, bins=4, min=float(everything.min()), max=float(everything.max()))
+    assert counts == expected.tolist()
+    assert counts[0] == 1000
+    assert counts[-1] == 3000
+
+
+def test_histograms_sample_each_call_of_a_large_tensor() -> None:
+    _, counts, num = fetch_histogram([torch.ones(HIST_SAMPLE * 3 + 1), torch.zeros(10)], 8)
+    assert num <= HIST_SAMPLE + 10
+    assert counts[0] == 10
+
+
+def test_a_histogram_sample_is_a_copy_that_later_in_place_ops_do_not_change() -> None:
+    batch = StatBatch(4)
+    batch.start()
+    x = torch.arange(8.0)
+    batch.add(("act", "x"), x, histogram=True)
+    x.mul_(100)
+    hist = batch.fetch().histograms[("act", "x")]
+    assert hist.max == 7.0
+
+
+def test_stat_batch_fetches_in_one_host_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = StatBatch(4)
+    batch.start()
+    for i in range(5):
+        batch.add(("act", f"layer{i}"), torch.randn(10), histogram=True)
+        batch.add(("act", f"layer{i}"), torch.randn(3))
+    batch.add_scalar(("ratio", "w"), torch.tensor(0.5))
+    calls: list[str] = []
+    for name in ("cpu", "tolist", "item", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: calls.append(_n) or _o(self, *a, **k)
+        )
+    fetched = batch.fetch()
+    assert calls == ["cpu", "numpy"]  # one copy to the host, then read as an array there (a view, no copy)
+    assert len(fetched.states) == 5
+    assert fetched.states[("act", "layer0")].numel == 13
+    assert fetched.histograms[("act", "layer0")].num == 10
+    assert fetched.scalars == {("ratio", "w"): 0.5}
+    assert len(batch) == 0
+
+
+def test_fetch_pools_chosen_groups_across_processes_with_sum_and_max() -> None:
+    # Two "processes" simulated by one: every collective sees this process's table and a peer's.
+    peer = states([observe(torch.tensor([-9.0, 1.0]))], torch.device("cpu"))
+    ops: list[str] = []
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        ops.append(op)
+        other = peer[:, :-1] if op == "sum" else peer[:, -1:]
+        return tensor + other if op == "sum" else torch.maximum(tensor, other)
+
+    batch = StatBatch()
+    batch.start()
+    batch.add(("out", "fc"), torch.tensor([2.0, 3.0]))
+    batch.add(("param", "fc.weight"), torch.tensor([4.0]))
+    fetched = batch.fetch(Across(frozenset({"out"}), lambda keys: keys, reduce))
+    assert ops == ["sum", "max"]
+    assert derive(fetched.states[("out", "fc")]) == pytest.approx(reference(torch.tensor([2.0, 3.0, -9.0, 1.0])))
+    assert fetched.states[("param", "fc.weight")] == state(torch.tensor([4.0]))
+
+
+def test_a_key_only_another_process_saw_is_pooled_as_empty_here() -> None:
+    batch = StatBatch()
+    batch.start()
+    batch.add(("out", "a"), torch.ones(3))
+    fetched = batch.fetch(Across(frozenset({"out"}), lambda keys: [*keys, ("out", "b")], lambda t, op: t))
+    assert fetched.states[("out", "b")].numel == 0
+    assert fetched.states[("out", "a")].numel == 3
+
+
+def test_closed_batch_takes_nothing() -> None:
+    batch = StatBatch()
+    batch.add(("act", "late"), torch.ones(2))
+    assert len(batch) == 0
+    batch.start()
+    batch.add(("act", "x"), torch.ones(2))
+    batch.fetch()
+    batch.add(("act", "late"), torch.ones(2))
+    assert len(batch) == 0
+
+
+MIXED = [
+    seeded(64, 3, seed=1),
+    seeded(5, seed=2).bfloat16(),
+    seeded(7, 2, seed=3).half(),
+    torch.zeros(0),
+    torch.zeros(0).bfloat16(),
+    torch.tensor([1.0, math.inf, -math.inf, math.nan, 0.0, -3.0]),
+    torch.tensor([math.inf, 2.0]).bfloat16(),
+    torch.tensor([0.0, 0.0, 2.0, -3.0]),
+    1000 + 1e-3 * seeded(4096, seed=5),
+    seeded(6, seed=4).double(),
+    seeded(3, 3, seed=6).requires_grad_(),
+]
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 50])
+def test_fused_reductions_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr(_stats, "FUSED_CHUNK", chunk)  # 50: tensors go in several chunks, a large one alone
+    fused = states(observe_many(MIXED), torch.device("cpu")).tolist()
+    single = states([observe(t) for t in MIXED], torch.device("cpu")).tolist()
+    for t, a, b in zip(MIXED, fused, single, strict=True):
+        got, expected = derive(State._make(a)), derive(State._make(b))
+        assert got.keys() == expected.keys()
+        for stat, value in expected.items():
+            assert got[stat] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (t.dtype, stat)
+        assert (a[0], *a[3:5]) == (b[0], *b[3:5])  # counts are exact
+
+
+def top_level_ops(parameters: int) -> Counter[str]:
+    """Operators dispatched (not those a fused operator runs inside) for one logging step's parameter statistics."""
+    model = nn.ModuleList(nn.Linear(3, 3) for _ in range(parameters // 2))
+    for layer in model[: parameters // 8]:
+        layer.bfloat16()  # two groups: float32 and bfloat16
+    sum(layer(torch.ones(2, 3, dtype=layer.weight.dtype)).float().sum() for layer in model).backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    batch = StatBatch()
+    batch.start()
+    with HookHandles() as handles, profile(activities=[ProfilerActivity.CPU]) as profiler:
+        ParamGradRecorder(batch, update_ratio=True).record(list(model.named_parameters()), optimizer, handles)
+        optimizer.step()
+        fetched = batch.fetch()
+    assert len(fetched.states) == len(fetched.scalars) == parameters
+    return Counter(e.name for e in profiler.events() if e.cpu_parent is None)
+
+
+def test_parameter_statistics_take_as_many_operators_for_400_tensors_as_for_50() -> None:
+    few, many = top_level_ops(50), top_level_ops(400)
+    assert many == few
+    # Four matrices of rows (two shapes in two dtypes), the update ratios and the pooling; per-tensor
+    # reductions took 18 per tensor: 916 and 7,216.
+    assert sum(few.values()) < 120
+
+
+def test_vectors_pool_by_sum_over_calls_and_processes_in_the_one_transfer() -> None:
+    batch = StatBatch()
+    batch.start()
+    batch.add_vector(("units", "relu"), torch.tensor([0.0, 2.0, 1.0]))
+    batch.add_vector(("units", "relu"), torch.tensor([0.0, 1.0, 0.0]))  # a second call of the module
+    batch.add_vector(("ring", "loss"), torch.tensor([0.5, 0.25]))  # not pooled across processes
+    agreed: list[list[Key]] = []
+
+    def agree(keys: list[Key]) -> list[Key]:
+        agreed.append(keys)
+        return [*keys, ("units", "other\x002")]  # a vector only another process had
+
+    fetched = batch.fetch(Across(frozenset({"units"}), agree, lambda t, op: t * 2))  # two processes alike
+    assert fetched.vectors == {
+        ("ring", "loss"): [0.5, 0.25],
+        ("units", "relu"): [0.0, 6.0, 2.0],
+        ("units", "other"): [0.0, 0.0],
+    }
+    assert len(agreed) == 1  # one agreement for states and vectors
+
+
+ROWS = [  # several tensors of one shape, so that buckets hold more than one row
+    *(seeded(4, 6, seed=10 + i) * (i + 1) + i for i in range(5)),
+    torch.tensor([[0.0, math.nan, 2.0], [math.inf, 0.0, -1.0]]),
+    torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).bfloat16(),
+    seeded(2, 3, seed=20).double(),
+    torch.relu(seeded(2, 3, seed=21)),
+    1000 + 1e-3 * seeded(2, 3, seed=22),  # the spread is taken around the row's mean
+    torch.tensor([[-math.inf, 1.0, 1.0], [1.0, 1.0, 1.0]]).half(),
+]
+
+
+@pytest.mark.parametrize(("row_max", "chunk"), [(1 << 15, 1 << 17), (1 << 15, 13), (10, 13)])
+def test_queued_rows_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, row_max: int, chunk: int) -> None:
+    # 13 elements per bucket: buckets are reduced while tensors are still being added; 10: [4, 6] is reduced at once
+    monkeypatch.setattr(_stats, "ROW_MAX", row_max)
+    monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
+    tensors = [*ROWS, *MIXED]
+    batch = StatBatch()
+    batch.start()
+    for i, t in enumerate(tensors):
+        batch.add(("act", str(i)), t)
+    got = batch.fetch().states
+    assert list(got) == [("act", str(i)) for i in range(len(tensors))]  # call order kept
+    for i, t in enumerate(tensors):
+        a, b = got["act", str(i)], state(t)  # state: the per-tensor path
+        expected = derive(b)
+        assert derive(a).keys() == expected.keys()
+        for stat, value in expected.items():
+            assert derive(a)[stat] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (i, t.dtype, stat)
+        assert (a.numel, a.nonzero, a.nonfinite) == (b.numel, b.nonzero, b.nonfinite)  # counts are exact
+
+
+@pytest.mark.parametrize(("row_max", "chunk"), [(1 << 15, 1 << 17), (1 << 15, 13)])
+def test_lean_rows_give_the_norm_mean_peak_and_nonfinite_count_of_the_per_tensor_path(
+    monkeypatch: pytest.MonkeyPatch, row_max: int, chunk: int
+) -> None:
+    monkeypatch.setattr(_stats, "ROW_MAX", row_max)
+    monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
+    tensors = [*ROWS, *MIXED]
+    batch = StatBatch(lean=True)
+    batch.start()
+    for i, t in enumerate(tensors):
+        batch.add(("out", str(i)), t)
+    got = batch.fetch().states
+    for i, t in enumerate(tensors):
+        a, b = derive(got["out", str(i)]), derive(state(t))
+        assert a.keys() == b.keys()  # nothing for an empty tensor
+        for stat in ("norm", "mean", "abs_max", "nonfinite") if b else ():
+            assert a[stat] == pytest.approx(b[stat], rel=1e-5, abs=1e-6, nan_ok=True), (i, t.dtype, stat)
+        if 0 < t.numel() <= row_max:  # copied into a row: no count of zeros was taken
+            assert math.isnan(a["zero_frac"])
+
+
+def test_queued_rows_pool_calls_of_one_key_with_the_others() -> None:
+    batch = StatBatch()
+    batch.start()
+    small, large = seeded(3, 4, seed=30), seeded(_stats.ROW_MAX + 1, seed=31)  # queued, and reduced at once
+    for t in (small, large, small * -2):
+        batch.add(("act", "twice"), t)
+    batch.add(("out", "other"), small)
+    got = batch.fetch().states
+    expected = derive(state(torch.cat([small.flatten(), large, -2 * small.flatten()])))
+    assert derive(got["act", "twice"]) == pytest.approx(expected, rel=1e-5)
+    assert got["out", "other"] == state(small)
+
+
+def test_a_queued_tensor_is_a_copy_that_later_in_place_ops_do_not_change() -> None:
+    batch = StatBatch()
+    batch.start()
+    x = torch.arange(8.0)
+    batch.add(("act", "x"), x)
+    x.mul_(-100)  # an in-place ReLU, or autograd reusing a gradient buffer, after the hook
+    assert derive(batch.fetch().states["act", "x"]) == pytest.approx(derive(state(torch.arange(8.0))))
+
+
+def test_histograms_of_equal_and_unequal_lengths_equal_one_at_a_time() -> None:
+    values = [seeded(50, seed=40 + i) * (i + 1) for i in range(4)]
+    values += [torch.tensor([math.nan, 1.0, -math.inf]), torch.zeros(0), seeded(7, seed=45).double(), torch.ones(3)]
+    values += [values[1], values[4], values[1]]  # a sample several keys share is counted once, shown for each
+    together = histograms(values, 8)
+    for v, row in zip(values, together, strict=True):
+        assert torch.equal(row, histogram(v, 8))
+
+
+def activation_ops(layers: int) -> Counter[str]:
+    """Operators dispatched (top level) by a logging step's activation statistics of ``layers`` tanh layers."""
+    model = nn.Sequential(*(nn.Tanh() for _ in range(layers)))
+    batch = StatBatch()
+    batch.start()
+    with HookHandles() as handles:
+        ActivationRecorder(batch).attach(list(model.named_children()), handles)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            model(torch.ones(4, 8))
+            fetched = batch.fetch()
+    assert len(fetched.states) == layers
+    ops = Counter(e.name for e in profiler.events() if e.cpu_parent is None)
+    assert ops.pop("aten::tanh") == layers  # the model's own
+    return ops
+
+
+def test_activation_statistics_take_one_copy_per_tensor_and_a_fixed_number_of_reductions() -> None:
+    few, many = activation_ops(50), activation_ops(400)
+    copies = many - few
+    # row views are made in runs of 16, 16, 32, 64, ... rows: 3 runs for 50 rows, 6 for 400
+    assert copies.pop("aten::unbind") == copies.pop("aten::slice") == 3
+    each = Counter({"aten::detach": 1, "aten::copy_": 1})  # a copy into its bucket's next row (a view made once)
+    assert copies == Counter({op: 350 for op in each})
+    assert sum((few - Counter({op: 50 for op in each})).values()) <= 48  # reductions, pooling, 3 runs of views
+
+
+def test_a_tensor_taken_again_unchanged_shares_its_row_and_one_changed_in_place_does_not() -> None:
+    batch = StatBatch()
+    batch.start()
+    x, large, y = seeded(3, 4, seed=50), seeded(_stats.ROW_MAX + 1, seed=51), seeded(3, 4, seed=52)
+    batch.add(("act", "mlp.2"), x)
+    batch.add(("act", "mlp"), x)  # a module whose output is its last child's
+    batch.add(("act", "head"), large)
+    batch.add(("act", "root"), large)
+    batch.add(("act", "fc"), y)
+    y.relu_()  # ReLU(inplace=True) returns the same tensor, changed
+    batch.add(("act", "relu"), y)
+    assert sum(b.taken for b in batch.queued.values()) == 3  # x, y before and after the ReLU
+    got = batch.fetch().states
+    assert got["act", "mlp"] == got["act", "mlp.2"] == state(x)
+    assert got["act", "root"] == got["act", "head"] == state(large)
+    assert got["act", "relu"] == state(y)
+    assert got["act", "fc"].nonzero == 12
+
+
+def test_buckets_of_many_shapes_are_reduced_before_their_buffers_exceed_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_stats, "PENDING_MAX", 3 * _stats.ROW_CHUNK)
+    tensors = [seeded(i + 1, 3, seed=70 + i) for i in range(10)]  # ten shapes: a bucket each
+    batch = StatBatch()
+    batch.start()
+    waiting = []
+    for i, t in enumerate(tensors):
+        batch.add(("act", str(i)), t)
+        waiting.append(len(batch.queued))
+    assert max(waiting) == 2  # the third buffer reaches the bound: all three buckets are reduced
+    got = batch.fetch().states
+    assert [got["act", str(i)] for i in range(10)] == [state(t) for t in tensors]
+
+
+def test_the_tensor_taken_last_is_not_kept_alive() -> None:
+    batch = StatBatch()
+    batch.start()
+    logits = seeded(_stats.ROW_MAX + 1, seed=80)  # large: observed at once, so nothing of it needs keeping
+    alive = weakref.ref(logits)
+    batch.add(("act", "head"), logits)
+    del logits
+    assert alive() is None
+    assert batch.fetch().states["act", "head"].numel == _stats.ROW_MAX + 1
