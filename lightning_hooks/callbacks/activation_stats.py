@@ -108,5 +108,5 @@ class ActivationStats(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         self._check_fired(trainer, step)
         fetched = self._batch.fetch(self._across(trainer, {"act"}))
-        self._log_states(trainer, "act_", {name: state for (_, name), state in fetched.states.items()}, step)
+        self._log_group(trainer, "act_", fetched, "act", step)
         self._log_histograms(trainer, "act/", fetched.histograms, step)

@@ -20,7 +20,9 @@ from lightning_hooks.core.gate import StepGate
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.select import ModuleSelector, label
 from lightning_hooks.sinks.sink import Sink
-from lightning_hooks.stats.batch import Across, Histogram, Key, StatBatch, State, derived_table
+from lightning_hooks.stats.batch import Across, Fetched, StatBatch
+from lightning_hooks.stats.histogram import Histogram
+from lightning_hooks.stats.state import STATS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -268,9 +270,6 @@ class StatsCallback(HookCallback):
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
         self._fired_checked = False
-        self._tag_cache: dict[tuple[str, str], list[str]] = {}
-        self._step_tags: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[str]] = {}
-        """The tags of a whole step's states, by prefix, keys and stats (a handful of entries)."""
 
     def _start_step(self) -> None:
         """A logging step begins (its first micro-batch)."""
@@ -296,7 +295,6 @@ class StatsCallback(HookCallback):
         self._batch.clear()
         self._fired.clear()
         self._fired_checked = False
-        self._tag_cache, self._step_tags = {}, {}
         self._pending.clear()
         self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
@@ -366,10 +364,10 @@ class StatsCallback(HookCallback):
             return None
         strategy = trainer.strategy
 
-        def agree(mine: list[Key]) -> list[Key]:
-            gathered: list[list[Key] | None] = [None] * trainer.world_size
+        def agree(mine: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+            gathered: list[list[tuple[Any, ...]] | None] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, mine)
-            return sorted({(group, name) for keys in gathered for group, name in keys or []})
+            return sorted({tuple(key) for keys in gathered for key in keys or []})
 
         def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
             reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
@@ -377,45 +375,27 @@ class StatsCallback(HookCallback):
 
         return Across(frozenset(groups), agree, reduce)
 
-    def _log_states(self, trainer: pl.Trainer, prefix: str, states: dict[str, State], step: int) -> None:
-        self._sink.scalars(trainer, self._metrics(prefix, states, self.stats), step)
-        self._dashboard.add_rows(prefix, states, step)
+    def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:
+        """Log ``{prefix}{stat}/{name}`` for the chosen stats of every key of ``group``, and hand the states to the
+        dashboard."""
+        self._sink.scalars(trainer, metrics(prefix, fetched, group, self.stats), step)
+        self._dashboard.add_rows(prefix, {name: s for (g, name), s in fetched.states.items() if g == group}, step)
 
-    def _metrics(self, prefix: str, states: dict[str, State], stats: Sequence[str]) -> dict[str, float]:
-        """``{prefix}{stat}/{key}`` for each key and stat: tags made once per fit, statistics derived in one go."""
-        if not states:
-            return {}
-        table = derived_table(list(states.values()), stats)
-        keys = tuple(states)
-        if all(s.numel for s in states.values()):  # every step but odd ones: the step's tags, made once, in one zip
-            return dict(zip(self._step_tags_of(prefix, keys, stats), table.view(-1).tolist(), strict=True))
-        metrics: dict[str, float] = {}
-        for key, values, s in zip(keys, table.tolist(), states.values(), strict=True):
-            if s.numel:  # an empty state has no statistics
-                metrics.update(zip(self._tags(prefix, key, stats), values, strict=True))
-        return metrics
-
-    def _step_tags_of(self, prefix: str, keys: tuple[str, ...], stats: Sequence[str] = ("",)) -> list[str]:
-        """:meth:`_tags` of each of ``keys`` end to end: the tags of a whole step's values, made once per fit (a
-        callback logs the same keys at every logging step)."""
-        tags = self._step_tags.get((prefix, keys, tuple(stats)))
-        if tags is None:
-            if len(self._step_tags) >= 8:
-                self._step_tags.clear()
-            tags = [tag for key in keys for tag in self._tags(prefix, key, stats)]
-            self._step_tags[prefix, keys, tuple(stats)] = tags
-        return tags
-
-    def _tags(self, prefix: str, key: str, stats: Sequence[str] = ("",)) -> list[str]:
-        """``{prefix}{stat}/{key}`` for each stat (``{prefix}{key}`` by default), made once per fit."""
-        found = self._tag_cache.get((prefix, key))
-        if found is None:
-            found = self._tag_cache[prefix, key] = [f"{prefix}{stat}/{key}" if stat else prefix + key for stat in stats]
-        return found
-
-    def _log_histograms(self, trainer: pl.Trainer, prefix: str, hists: dict[Key, Histogram], step: int) -> None:
+    def _log_histograms(
+        self, trainer: pl.Trainer, prefix: str, hists: dict[tuple[str, str], Histogram], step: int
+    ) -> None:
         """``{prefix}{name}`` for each key's histogram that counted something, sent together."""
-        kept = {name: hist for (_, name), hist in hists.items() if hist.num}
+        kept = {f"{prefix}{name}": hist for (_, name), hist in hists.items() if hist.num}
         if kept:
-            tags = self._step_tags_of(prefix, tuple(kept))
-            self._sink.histograms(trainer, dict(zip(tags, kept.values(), strict=True)), step)
+            self._sink.histograms(trainer, kept, step)
+
+
+def metrics(prefix: str, fetched: Fetched, group: str, stats: Sequence[str]) -> dict[str, float]:
+    """``{prefix}{stat}/{name}`` for each key of ``group`` with values and each of ``stats``."""
+    columns = [(stat, STATS.index(stat)) for stat in stats]
+    return {
+        f"{prefix}{stat}/{name}": values[i]
+        for (g, name), values in fetched.stats.items()
+        if g == group
+        for stat, i in columns
+    }

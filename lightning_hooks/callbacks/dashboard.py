@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_hooks.sinks import figures as _figures
 from lightning_hooks.sinks.sink import Sink
-from lightning_hooks.stats.batch import State
+from lightning_hooks.stats.state import State
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, loss_scaler, refuse_sharded
+from lightning_hooks.callbacks.base import StatsCallback, loss_scaler, metrics, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.select import trainable_parameters
 from lightning_hooks.core.shards import is_sharded
 from lightning_hooks.recorders.gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
-from lightning_hooks.stats.batch import STATS, State, norm_total
+from lightning_hooks.stats.state import STATS, norm_total
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -132,9 +132,6 @@ class GradStats(StatsCallback):
         self._sharded = False
         """Whether some parameter is sharded (FSDP2): parameter states are then pooled across processes."""
         self._ratio_handles = HookHandles()
-        # What this batch takes one by one, output gradients (logged as OUTPUT_GRAD_STATS) and the change and
-        # weight of a sharded parameter (their sums of squares), needs no sum of magnitudes or non-zero count.
-        self._batch.lean = True
         self._outputs = OutputGradRecorder(self._batch, fired=self._fired)
         self._grads = ParamGradRecorder(self._batch, self.histograms, update_ratio)
 
@@ -194,21 +191,16 @@ class GradStats(StatsCallback):
             self._check_fired(trainer, step)
         # Layer output gradients are per rank; parameter gradients are all-reduced (DDP) or sharded (FSDP2).
         fetched = self._batch.fetch(self._across(trainer, {"out", *(SHARDED_GROUPS if self._sharded else ())}))
-        grouped: dict[str, dict[str, State]] = {}
-        for (group, name), state in fetched.states.items():
-            grouped.setdefault(group, {})[name] = state
-        params, outputs = grouped.get("param", {}), grouped.get("out", {})
-        self._log_states(trainer, "grad_", params, step)
-        metrics: dict[str, float] = {}
+        self._log_group(trainer, "grad_", fetched, "param", step)
+        scalars: dict[str, float] = {}
+        params = [s for (group, _), s in fetched.states.items() if group == "param"]
         if params:
-            metrics["grad_norm_total"] = norm_total(params.values())
-        # The ratios of unsharded parameters, the same names at every step: their tags made once, in one zip.
-        names = tuple(name for _, name in fetched.scalars)
-        metrics.update(zip(self._step_tags_of("update_ratio/", names), fetched.scalars.values(), strict=True))
-        weights = grouped.get("weight", {})
-        for name, s in grouped.get("update", {}).items():  # sharded parameters' (FSDP2)
-            metrics[self._tags("update_ratio/", name)[0]] = update_ratio(s, weights[name])
+            scalars["grad_norm_total"] = norm_total(params)
+        scalars.update({f"update_ratio/{name}": value for (_, name), value in fetched.scalars.items()})
+        for (group, name), change in fetched.states.items():  # sharded parameters' (FSDP2)
+            if group == "update":
+                scalars[f"update_ratio/{name}"] = update_ratio(change, fetched.states[("weight", name)])
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
-        metrics.update(self._metrics("out_grad_", outputs, out_stats))
-        self._sink.scalars(trainer, metrics, step)
+        scalars.update(metrics("out_grad_", fetched, "out", out_stats))
+        self._sink.scalars(trainer, scalars, step)
         self._log_histograms(trainer, "grad/", fetched.histograms, step)

@@ -21,7 +21,8 @@ from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks.sinks.sink import echo
-from lightning_hooks.stats.batch import STATS, Fetched, State, combine
+from lightning_hooks.stats.batch import Fetched
+from lightning_hooks.stats.state import STATS, State, combine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -253,7 +254,7 @@ class HealthMonitor(StatsCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._ring is not None:
-            self._ring.norms(self._step_now(), self.gate.is_open)
+            self._ring.norms(self._step_now())
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._record_grads(optimizer)
             self._grads.record(self._params, optimizer, self._ratio_handles)
@@ -303,8 +304,6 @@ class HealthMonitor(StatsCallback):
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
-        if self._ring is not None:
-            self._ring.line = self._tracker.spike_line()
         for finding in new:
             rank_zero_warn(warning(finding))
         if new:
@@ -400,23 +399,13 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 class _LossRing:
     """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
-    A step costs a ``detach`` of its loss and, where norms are taken, one ``torch._foreach_norm`` of
-    the gradients and a ``stack`` of the norms; nothing is read from the device:
-    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's
-    batch, which fetches them with everything else. At most ``size`` steps are kept.
-
-    On an accelerator the norms are taken on every step (one fused kernel). On a CPU, where
-    ``_foreach_norm`` is a loop over the parameters and the loss already is in host memory
-    (reading it makes nobody wait), they are taken only where attribution can need them: on a step
-    whose loss is above ``line`` (half-way to a spike, as judged at the last logging step) or not
-    finite, on logging steps (the level jumps are measured against), and on every step until the
-    spike check has its history.
+    A step costs a ``detach`` of its loss and one ``torch._foreach_norm`` of the gradients; nothing is read from
+    the device: :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch,
+    which fetches them with everything else. At most ``size`` steps are kept.
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
         self.params, self.size = params, size
-        self.gated = device.type == "cpu"
-        self.line = -math.inf
         self.zero = torch.zeros((), device=device)
         self.losses: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
@@ -433,13 +422,9 @@ class _LossRing:
             del self.losses[oldest]
             self.grad_norms.pop(oldest, None)
 
-    def norms(self, step: int, logging: bool) -> None:
+    def norms(self, step: int) -> None:
         if step in self.grad_norms:  # a further optimizer of the step
             return
-        if self.gated and not logging and step in self.losses:
-            value = float(self.losses[step])  # host memory on a CPU: no device to wait for
-            if value <= self.line:  # False for NaN
-                return
         zero = self.zero
         # Under FSDP2, this process's shard of each gradient: the ring is read on rank zero, unpooled.
         grads = [zero if p.grad is None else local(p.grad) for p in self.params]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
-from lightning_hooks.stats.batch import State
+from lightning_hooks.stats.state import State
 
 Check = Literal[
     "dead_units",

@@ -26,7 +26,7 @@ class ActivationRecorder:
     Example::
 
         >>> import torch
-        >>> from lightning_hooks.stats.batch import StatBatch, derive
+        >>> from lightning_hooks.stats.batch import StatBatch
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
         >>> batch = StatBatch()
         >>> batch.start()

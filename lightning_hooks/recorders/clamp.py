@@ -10,7 +10,6 @@ from torch import nn
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.shards import is_sharded, local
-from lightning_hooks.stats.batch import FUSED_CHUNK, flatten, fused_chunks
 
 
 class ClampCount:
@@ -160,10 +159,8 @@ class GradClamper:
         sparse = [grad for grad in grads if grad.layout is not strided]
         dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
         with torch.no_grad():
-            if count.active:  # over the gradients end to end, a few operators in all, not three per gradient
-                values = [flatten([dense[i] for i in chunk])[0] for chunk in fused_chunks(dense, FUSED_CHUNK)]
-                values += [grad for grad in dense if grad.numel() > FUSED_CHUNK]
-                count.clamped += [(v.abs() > value).sum() for v in values]
+            if count.active:
+                count.clamped += [(grad.abs() > value).sum() for grad in dense]
                 count.seen += sum(grad.numel() for grad in dense)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)

@@ -6,9 +6,8 @@ reduction, ``torch.aminmax``: a tensor is finite exactly when its minimum and ma
 propagates through both, an Inf shows as one of them), and the two numbers are the value range
 a report shows. A tensor seen before in the same step, unchanged (same object, same version
 counter), is not measured again: the output of one layer is usually the input of the next.
-On the CPU, where reading a number costs no synchronisation, the count of non-finite values is
-taken at once and only for a tensor that has some; on an accelerator it is queued on device
-with the rest and every reading crosses to the host in a single transfer when asked for.
+The count of non-finite values is queued on device with the rest, and every reading crosses to
+the host in a single transfer when asked for.
 
 In backward, a tensor hook on each such tensor that requires grad measures the gradient that
 autograd computed for it; the hook is put on an input in the pre-hook, before the module can
@@ -45,22 +44,7 @@ from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
 from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
-from lightning_hooks.stats.batch import FUSED_CHUNK, size_chunks
-
-
-def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
-    """How many values of ``t`` are NaN or Inf, as a 0-d tensor on ``t``'s device.
-
-    ``t - t`` is 0 where ``t`` is finite and NaN elsewhere; counting its non-zeros measured 2 to 4
-    times faster on the CPU than summing ``torch.isfinite(t)``.
-
-    Example::
-
-        >>> int(nonfinite_count(torch.tensor([1.0, -0.0, float("nan"), -float("inf"), 3e38])))
-        2
-    """
-    x = t.detach()
-    return torch.count_nonzero(x - x)
+from lightning_hooks.stats.state import nonfinite_count
 
 
 class Readings:
@@ -89,13 +73,7 @@ class Readings:
             return None
         x = t.detach()
         low, high = torch.aminmax(x)
-        if x.is_cpu:
-            # No device to wait for: read the range now and count only in a tensor that needs it.
-            lo, hi = low.item(), high.item()
-            count = 0 if math.isfinite(lo) and math.isfinite(hi) else int(nonfinite_count(x))
-            self._items.append(Reading(lo, hi, x.numel(), count))
-        else:
-            self._items.append((low, high, nonfinite_count(x), x.numel()))
+        self._items.append((low, high, nonfinite_count(x), x.numel()))
         return len(self._items) - 1
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[Reading], list[float]]:
@@ -458,20 +436,29 @@ def finite_step(
 
 def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     """A float32 number, NaN or infinite when some value of ``tensors`` is (float32, so that finite half-precision
-    values cannot overflow it).
+    values cannot overflow it; a sum or a norm can also overflow for finite values, which only makes a healthy step
+    look bad: the replay then finds every value finite and says so).
 
-    On an accelerator, the sum of the tensors' norms: one fused ``torch._foreach_norm``. On the CPU,
-    where ``_foreach_norm`` loops over the tensors (7.2 M instructions for a 24-layer encoder's
-    484 gradients, 2.7 % of its training step), the sum of their values, taken over them end to
-    end in chunks of at most :data:`FUSED_CHUNK` elements (3.0 M): an Inf of either sign or a NaN
-    makes it NaN or infinite. Either number can also overflow for finite values (norms from about
-    1e19, sums from about 1e33), which only makes a healthy step look bad: the replay then finds
-    every value finite and says so.
+    On an accelerator, the sum of the tensors' norms: one fused ``torch._foreach_norm``. On the CPU the sum of
+    their values end to end instead: there ``_foreach_norm`` loops over the tensors and measured about three times
+    the instructions on the optimizer step of a 24-layer encoder (see docs/performance.md).
     """
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
-    parts = [_sum_of(tensors[part]) for part in size_chunks([t.numel() for t in tensors], FUSED_CHUNK)]
+    parts, chunk, size = [], [], 0
+    for t in tensors:  # chunks of about CHUNK elements bound the flattened copy
+        chunk.append(t)
+        size += t.numel()
+        if size >= CHUNK:
+            parts.append(_sum_of(chunk))
+            chunk, size = [], 0
+    if chunk:
+        parts.append(_sum_of(chunk))
     return torch.stack(parts).sum()
+
+
+CHUNK = 1 << 22
+"""Elements :func:`_finite_total` flattens at once on the CPU."""
 
 
 def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:

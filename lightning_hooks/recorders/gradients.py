@@ -16,16 +16,8 @@ from lightning_hooks.core.compiled import Pending, Region, Switched
 from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.shards import counted_part, is_sharded
-from lightning_hooks.stats.batch import (
-    Chunks,
-    Key,
-    OutputKeys,
-    StatBatch,
-    State,
-    chunks,
-    flatten,
-    segment_sum,
-)
+from lightning_hooks.stats.batch import Key, OutputKeys, StatBatch
+from lightning_hooks.stats.state import State
 
 
 class OutputGradRecorder:
@@ -296,81 +288,41 @@ class ParamGradRecorder:
             grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))  # a call only when sparse
         if not read:
             return
-        # Unsharded, a gradient has its parameter's device, dtype and shape: one layout serves both.
-        layout = None if any(is_sharded(p) for _, p in read) else chunks([p for _, p in read])
         if self.observe:
-            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms, layout)
+            self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
         if self.update_ratio:
-            ratio = _UpdateRatio(self.batch, read, self.weight_norms, layout)
-            handles.add(optimizer.register_step_post_hook(ratio))
+            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read, self.weight_norms)))
 
 
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
 
-    Parameters that share a shape with others are stacked into matrices (see
-    :func:`~lightning_hooks.stats.batch.shape_chunks`) and their norms taken row by row in float64;
-    other small ones are copied end to end into one buffer per device and dtype (see
-    :func:`~lightning_hooks.stats.batch.fused_chunks`) and their norms are segment reductions of those
-    buffers; both a fixed number of operators however many parameters there are; larger ones one by one.
+    A sharded parameter (FSDP2) keeps its shard: its change and weight go into the batch as states under
+    ``("update", <name>)`` and ``("weight", <name>)``, to be pooled across processes.
     """
 
-    def __init__(
-        self,
-        batch: StatBatch,
-        params: list[tuple[str, nn.Parameter]],
-        weight_norms: bool = False,
-        layout: Chunks | None = None,
-    ) -> None:
-        """``layout``: the :func:`~lightning_hooks.stats.batch.chunks` of ``params``, if known (none is sharded)."""
+    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
         self.batch, self.weight_norms = batch, weight_norms
-        # A sharded parameter (FSDP2) keeps its shard: the change and the weight are pooled across processes.
-        self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
-        if self.sharded:
-            params = [(name, p) for name, p in params if not is_sharded(p)]
-            layout = None
-        stacks, fused, singles = chunks([param for _, param in params]) if layout is None else layout
-        self.stacked: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
-        self.before: list[tuple[list[tuple[str, nn.Parameter]], torch.Tensor]] = []
         with torch.no_grad():
-            for part in stacks:
-                self.stacked.append(([params[i] for i in part], torch.stack([params[i][1] for i in part])))
-            for part in fused:
-                values, _ = flatten([params[i][1] for i in part])
-                self.before.append(([params[i] for i in part], values.clone() if len(part) == 1 else values))
-            self.large = [(params[i][0], params[i][1], params[i][1].clone()) for i in singles]
+            self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
+            self.params = [(name, p) for name, p in params if not is_sharded(p)]
+            self.before = torch._foreach_mul([p for _, p in self.params], 1.0) if self.params else []  # copies
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        stacked, self.stacked = self.stacked, []  # the copies are freed as soon as the ratios are taken
+        params, self.params = self.params, []  # the copies are freed as soon as the ratios are taken
         before, self.before = self.before, []
-        large, self.large = self.large, []
         sharded, self.sharded = self.sharded, []
-        f64 = torch.float64
-        for params, old in stacked:
-            with torch.no_grad():
-                new = torch.stack([param for _, param in params])
-                change = torch.linalg.vector_norm((new - old).view(len(params), -1), dim=1, dtype=f64)
-                scale = torch.linalg.vector_norm(old.view(len(params), -1), dim=1, dtype=f64).clamp_min_(1e-12)
-            self._ratios([name for name, _ in params], change, scale)
-        for params, old in before:
-            with torch.no_grad():
-                new, lengths = flatten([param for _, param in params])
-                change = segment_sum((new - old).to(f64).square_(), lengths).sqrt_()
-                scale = segment_sum(old.to(f64).square_(), lengths).sqrt_().clamp_min_(1e-12)
-            self._ratios([name for name, _ in params], change, scale)
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
             self.batch.add(("weight", name), old)
-        for name, param, old_value in large:
-            with torch.no_grad():
-                norm = torch.linalg.vector_norm(old_value)
-                ratio = torch.linalg.vector_norm(param - old_value) / norm.clamp_min(1e-12)
-            self.batch.add_scalar(("ratio", name), ratio)
-            if self.weight_norms:
-                self.batch.add_scalar(("wnorm", name), norm)
-
-    def _ratios(self, names: list[str], change: torch.Tensor, scale: torch.Tensor) -> None:
-        self.batch.add_scalars([("ratio", name) for name in names], change / scale)
+        if not params:
+            return
+        with torch.no_grad():
+            change = torch._foreach_sub([p for _, p in params], before)
+            change_norms = torch.stack(torch._foreach_norm(change, dtype=torch.float64))
+            scale = torch.stack(torch._foreach_norm(before, dtype=torch.float64)).clamp_min_(1e-12)
+        names = [name for name, _ in params]
+        self.batch.add_scalars([("ratio", name) for name in names], change_norms / scale)
         if self.weight_norms:
             self.batch.add_scalars([("wnorm", name) for name in names], scale)
 

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from lightning_hooks.core.select import label
-from lightning_hooks.stats.batch import State, abs_mean, combine, derive
+from lightning_hooks.stats.state import State, abs_mean, combine, derive
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

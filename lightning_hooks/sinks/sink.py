@@ -33,7 +33,7 @@ from torch.utils.tensorboard.summary import text as text_summary
 from lightning_hooks.core.tables import Cell, Table
 from lightning_hooks.sinks.events import HistogramSummaries, ScalarSummaries, checksum_in_c, write_summary
 from lightning_hooks.sinks.layout import build_layout
-from lightning_hooks.stats.batch import Histogram
+from lightning_hooks.stats.histogram import Histogram
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

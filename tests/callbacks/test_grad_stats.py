@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_hooks import GradStats
-from lightning_hooks.stats.batch import derive, state
+from lightning_hooks.stats.state import derive, state
 from tests.support.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars
 from tests.support.zoo import ResNetish, SparseEmbeddingNet
 

@@ -16,7 +16,7 @@ from benchmarks import health as planted
 from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
 from lightning_hooks.diagnose.health import HealthTracker, Snapshot, Thresholds, dead_units, gradient_spread
 from lightning_hooks.diagnose.report import summary
-from lightning_hooks.stats.batch import State
+from lightning_hooks.stats.state import State
 from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
 from tests.support.zoo import SparseEmbeddingNet
 
@@ -254,22 +254,21 @@ def test_the_summary_has_a_line_per_finding() -> None:
     ]
 
 
-def test_on_a_cpu_the_ring_takes_norms_only_where_a_spike_could_need_them() -> None:
+def test_the_ring_takes_the_norms_of_every_step_and_reads_nothing_until_the_hand_over() -> None:
     from lightning_hooks.callbacks.health_monitor import _LossRing
     from lightning_hooks.stats.batch import StatBatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 2.0)
     ring = _LossRing([weight], size=8, device=torch.device("cpu"))
-    ring.line = 1.0
-    for step, loss, logging in [(0, 0.5, True), (1, 0.5, False), (2, 3.0, False), (3, math.nan, False)]:
+    for step, loss in [(0, 0.5), (1, 0.5), (2, 3.0), (3, math.nan)]:
         ring.loss(step, torch.tensor(loss))
-        ring.norms(step, logging)
+        ring.norms(step)
     batch = StatBatch()
     batch.start()
-    assert ring.hand_over(batch) == ([0, 1, 2, 3], {0, 2, 3})  # not step 1: quiet, below the line
+    assert ring.hand_over(batch) == ([0, 1, 2, 3], {0, 1, 2, 3})
     fetched = batch.fetch()
-    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 3)
+    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 4)
     assert fetched.vectors[("ring", "loss")][:3] == [0.5, 0.5, 3.0]
 
 

@@ -27,7 +27,7 @@ from lightning_hooks.sinks.events import (
     event_bytes,
     write_summary,
 )
-from lightning_hooks.stats.batch import Histogram
+from lightning_hooks.stats.histogram import Histogram
 from tests.support.helpers import Probe, TinyNet, make_trainer
 
 pytest.importorskip("google_crc32c", reason="the C CRC-32C comes from google-crc32c")

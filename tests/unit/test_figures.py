@@ -16,7 +16,7 @@ from lightning_hooks.sinks.figures import (
     render_zero_fraction,
     zero_fraction_series,
 )
-from lightning_hooks.stats.batch import State, abs_mean, state
+from lightning_hooks.stats.state import State, abs_mean, state
 
 
 def rows(tensors: dict[str, torch.Tensor]) -> dict[str, State]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hooks import ActivationStats, GradStats
 from lightning_hooks.stats import batch as _stats
-from lightning_hooks.stats.batch import combine, derive, state
+from lightning_hooks.stats.state import combine, derive, state
 from tests.support.helpers import TinyNet, make_trainer, scalars
 
 LOGGED = {"act": ("mean", "std", "abs_max", "zero_frac", "nonfinite"), "out_grad": ("norm", "abs_max", "nonfinite")}
@@ -52,19 +52,21 @@ class RowNet(TinyNet):
         return self.head(h + torch.where(side.isfinite(), side, 0.0))
 
 
-@pytest.mark.parametrize("chunk", [1 << 17, 20])
+@pytest.mark.parametrize(("row_max", "pending_max"), [(1 << 15, 1 << 22), (1 << 15, 20), (10, 1 << 22)])
 def test_logged_statistics_equal_the_per_tensor_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_max: int, pending_max: int
 ) -> None:
-    # 20 elements per bucket: the [8, 8] outputs are reduced one by one, in the middle of forward and backward
-    monkeypatch.setattr(_stats, "ROW_CHUNK", chunk)
+    # pending_max=20: the [8, 8] copies are reduced in the middle of forward and backward; row_max=10: each output
+    # is reduced in its hook
+    monkeypatch.setattr(_stats, "ROW_MAX", row_max)
+    monkeypatch.setattr(_stats, "PENDING_MAX", pending_max)
     model = RowNet()
     callbacks = [ActivationStats(log_every_n_steps=1), GradStats(log_every_n_steps=1, param_grads=False)]
     make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1, accumulate_grad_batches=2).fit(model)
     assert len(model.seen["act", "act", 0]) == 4  # two calls in each of two micro-batches
     assert model.seen["act", "fc2", 0][0].dtype == torch.bfloat16
     for (group, name, step), tensors in model.seen.items():
-        expected = derive(combine(state(t) for t in tensors))  # pooled per tensor, with `observe`
+        expected = derive(combine(state(t) for t in tensors))  # pooled per tensor on the host
         for stat in LOGGED[group]:
             logged = scalars(tmp_path, f"{group}_{stat}/{name}")
             assert logged[step] == pytest.approx(expected[stat], rel=1e-5, abs=1e-6, nan_ok=True), (group, name, stat)

@@ -1,0 +1,167 @@
+"""The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch).
+
+Every statistic a user sees (norm, mean, std, ...) is derived from one *state* per key: seven
+float64 numbers that combine by ``+`` (count, sum, sum of squares, non-zeros, non-finite values,
+sum of magnitudes) or by ``max`` (largest magnitude), as torchmetrics declares a state with its
+reduction. Calls of a module, micro-batches, DDP ranks and parameter shards all pool that way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "STATS",
+    "WIDTH",
+    "State",
+    "abs_mean",
+    "combine",
+    "derive",
+    "derive_table",
+    "nonfinite_count",
+    "norm_total",
+    "pool",
+    "reduce_rows",
+    "state",
+    "state_row",
+]
+
+STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
+"""Every statistic a state gives, in the order :func:`derive_table` gives them."""
+
+
+class State(NamedTuple):
+    """The combinable statistics of one key, on the host. The last field combines by ``max``, the others by ``+``."""
+
+    numel: float = 0.0
+    sum: float = 0.0
+    sum_sq: float = 0.0
+    nonzero: float = 0.0
+    nonfinite: float = 0.0
+    abs_sum: float = 0.0
+    abs_max: float = 0.0
+
+
+WIDTH = len(State._fields)
+_SUMMED = WIDTH - 1
+"""Fields ``[:_SUMMED]`` of a state combine by ``+``, the last by ``max``."""
+
+
+def reduce_rows(m: torch.Tensor) -> torch.Tensor:
+    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction.
+
+    A single tensor is the one-row case (``t.reshape(1, -1)``). Values are reduced in float32
+    (float64 stays float64); the sum of squares is rebuilt in float64 from the mean and the spread
+    around it, so a tiny variance next to a large mean keeps its precision. NaN wins the maximum.
+    """
+    x = m.detach()
+    x = x if x.dtype == torch.float64 else x.float()
+    k, n = x.shape
+    if n == 0:
+        return torch.zeros(k, WIDTH, dtype=torch.float64, device=x.device)
+    mean = x.mean(1)
+    spread = torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1)
+    magnitude = x.abs()
+    columns = [
+        magnitude.amax(1),
+        magnitude.sum(1),
+        (x != 0).sum(1),  # NaN counts as non-zero
+        nonfinite_count(x, 1),
+    ]
+    abs_max, abs_sum, nonzero, nonfinite = torch.stack(columns, 1).double().unbind(1)
+    mean = mean.double()
+    total = mean * n
+    sum_sq = torch.addcmul(spread.double().square(), total, mean)  # spread² + n·mean²
+    count = torch.full_like(total, float(n))
+    return torch.stack([count, total, sum_sq, nonzero, nonfinite, abs_sum, abs_max], 1)
+
+
+def nonfinite_count(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """How many values of ``t`` are NaN or Inf (along ``dim``, or in all), on ``t``'s device.
+
+    Example::
+
+        >>> int(nonfinite_count(torch.tensor([1.0, -0.0, float("nan"), -float("inf"), 3e38])))
+        2
+    """
+    return (~torch.isfinite(t.detach())).sum(dim)
+
+
+def state_row(t: torch.Tensor) -> torch.Tensor:
+    """The float64 state of ``t`` as a ``WIDTH`` vector on its device (what a compiled graph outputs)."""
+    return reduce_rows(t.reshape(1, -1))[0]
+
+
+def state(t: torch.Tensor) -> State:
+    """The state of one tensor, on the host (for one-off use and tests).
+
+    Example::
+
+        >>> derive(state(torch.tensor([3.0, 0.0, -4.0])), ["mean", "abs_max", "nonfinite"])
+        {'mean': -0.3333333432674408, 'abs_max': 4.0, 'nonfinite': 0.0}
+    """
+    return State._make(state_row(t).tolist())
+
+
+def pool(table: torch.Tensor, index: torch.Tensor, keys: int) -> torch.Tensor:
+    """Combine the rows of ``table`` that share an ``index`` into ``keys`` states: ``+``, and ``max`` (NaN wins)."""
+    out = table.new_zeros(keys, WIDTH)
+    out[:, :_SUMMED].index_add_(0, index, table[:, :_SUMMED])
+    peaks = table[:, _SUMMED:]
+    out[:, _SUMMED:].scatter_reduce_(0, index.unsqueeze(1), peaks, "amax")
+    # A NaN peak must win whatever scatter's amax does with NaN on a given device.
+    nan_peaks = table.new_zeros(keys, 1).index_add_(0, index, peaks.isnan().to(table.dtype))
+    out[:, _SUMMED:] = torch.where(nan_peaks > 0, math.nan, out[:, _SUMMED:])
+    return out
+
+
+def derive_table(states: torch.Tensor, stats: Sequence[str] = STATS) -> torch.Tensor:
+    """The named statistics of each row of a ``(k, WIDTH)`` float64 state table, as a ``(k, len(stats))`` matrix.
+
+    An empty state's row is NaN or 0; callers leave it out.
+    """
+    n, total, squares, nonzero, nonfinite, _, abs_max = states.unbind(1)
+    mean = total / n
+    finite = torch.isfinite(squares)
+    columns = {
+        "norm": torch.where(finite, squares.clamp_min(0.0).sqrt(), squares),
+        "mean": mean,
+        "std": torch.where(finite, (squares / n - mean * mean).clamp_min(0.0).sqrt(), math.nan),
+        "abs_max": abs_max,
+        "zero_frac": 1.0 - nonzero / n,
+        "nonfinite": nonfinite,
+    }
+    return torch.stack([columns[name] for name in stats], dim=1)
+
+
+def derive(state: State, stats: Sequence[str] = STATS) -> dict[str, float]:
+    """The named statistics of one host state; nothing for an empty one."""
+    if not state.numel:
+        return {}
+    values = derive_table(torch.tensor([state], dtype=torch.float64), stats)[0].tolist()
+    return dict(zip(stats, values, strict=True))
+
+
+def combine(rows: Iterable[State]) -> State:
+    """One state for several on the host (a layer's weight and bias): ``+``, and ``max`` (NaN wins)."""
+    rows = list(rows)
+    if not rows:
+        return State()
+    summed = [math.fsum(column) for column in zip(*(r[:_SUMMED] for r in rows), strict=True)]
+    peaks = [r.abs_max for r in rows if r.numel]
+    peak = math.nan if any(math.isnan(p) for p in peaks) else max(peaks, default=0.0)
+    return State._make([*summed, peak])
+
+
+def abs_mean(state: State) -> float:
+    """Mean absolute value (``nan`` for an empty state)."""
+    return state.abs_sum / state.numel if state.numel else math.nan
+
+
+def norm_total(states: Iterable[State]) -> float:
+    """The 2-norm of all the tensors behind ``states`` together (``grad_norm_total``)."""
+    return math.sqrt(math.fsum(max(s.sum_sq, 0.0) for s in states))
