@@ -50,8 +50,10 @@ from examples.digits import DigitsCNN, DigitsDataModule  # noqa: E402
 from examples.numnet import NumDataModule, NumNet  # noqa: E402
 from examples.resnet import DigitsResNet  # noqa: E402
 from examples.transformer import TinyTransformerLM, TokenDataModule  # noqa: E402
-from lightning_hooks import HealthMonitor  # noqa: E402
-from lightning_hooks.diagnose.health import CHECKS, HealthFinding  # noqa: E402
+from lightning_hooks import HealthFinding, HealthMonitor  # noqa: E402
+
+CHECKS = tuple(HealthMonitor().checks)
+"""Every check, in ``HealthMonitor``'s order (``checks=None`` runs all of them)."""
 
 EVERY = 10
 

@@ -8,11 +8,12 @@
 Workloads: the digits CNN, a small ``nn.TransformerEncoder`` language model on synthetic tokens,
 a ResNet-style CNN with 28 modules, and (``--workloads encoder24``, not run by default) a
 24-layer encoder with 486 parameter tensors and 342 modules. Variants: a hand-written PyTorch
-loop (the limit), the Lightning fit without callbacks, each callback alone and all five together
-at each logging frequency, ``HealthMonitor`` with every check and without ``loss_spike`` (the one
-check that keeps something on every step), an empty ``Callback`` (what Lightning charges any callback),
-``gradient_clip_val`` (value clipping), torch's multi-tensor clamp alone (the floor under ``GradClamp``),
-and wandb's logger with and without ``wandb.watch(log="all")`` (offline).
+loop (the limit), the Lightning fit without callbacks, each callback alone, all five together and
+``GradStats`` + ``ActivationStats`` together at each logging frequency, ``HealthMonitor`` with
+every check and without ``loss_spike`` (the one check that keeps something on every step), an
+empty ``Callback`` (what Lightning charges any callback), ``gradient_clip_val`` (value clipping),
+torch's multi-tensor clamp alone (the floor under ``GradClamp``), and wandb's logger with and
+without ``wandb.watch(log="all")`` (offline).
 
 Two measures:
 
@@ -78,8 +79,9 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
-from lightning_hooks.diagnose.health import CHECKS  # noqa: E402
 
+CHECKS = tuple(HealthMonitor().checks)
+"""Every check ``HealthMonitor`` runs, in its order (``checks=None`` is all of them)."""
 QUIET_CHECKS = [c for c in CHECKS if c != "loss_spike"]
 """Every check but the one that keeps something on every step."""
 
@@ -89,7 +91,7 @@ WORKLOADS: dict[str, Callable[[], tuple[pl.LightningModule, pl.LightningDataModu
     "digits-cnn": lambda: (DigitsCNN(), DigitsDataModule(batch_size=64)),
     "transformer": lambda: (TinyTransformerLM(), TokenDataModule()),
     "resnet": lambda: (DigitsResNet(), DigitsDataModule(batch_size=64)),
-    # 24 layers, 486 parameter tensors, 342 modules (benchmarks/logging_step.py splits its logging step)
+    # 24 layers, 486 parameter tensors, 342 modules (benchmarks/logging_step.py times its logging step)
     "encoder24": lambda: (EncoderLM(), TokenDataModule(seq_len=16, batch_size=16)),
 }
 
@@ -119,6 +121,7 @@ def variants(frequencies: list[int]) -> list[Variant]:
             Variant(f"ActivationStats @{every}", lambda e=every: [ActivationStats(log_every_n_steps=e)], every=every),
             Variant(f"NonFiniteGuard @{every}", lambda e=every: [NonFiniteGuard(check_every_n_steps=e)], every=every),
             Variant(f"all five @{every}", lambda e=every: all_five(e), every=every),
+            Variant(f"GradStats + ActivationStats @{every}", lambda e=every: statistics_pair(e), every=every),
             Variant(f"HealthMonitor @{every}", lambda e=every: [HealthMonitor(log_every_n_steps=e)], every=every),
             Variant(
                 f"HealthMonitor without loss_spike @{every}",
@@ -153,6 +156,11 @@ def all_five(every: int, figures: bool = True) -> list[pl.Callback]:
         ActivationStats(log_every_n_steps=every, figures=figures),
         NonFiniteGuard(check_every_n_steps=every),
     ]
+
+
+def statistics_pair(every: int) -> list[pl.Callback]:
+    """The two statistics callbacks together: what ``benchmarks/logging_step.py`` times on its own."""
+    return [GradStats(log_every_n_steps=every), ActivationStats(log_every_n_steps=every)]
 
 
 class ForeachClamp(pl.Callback):

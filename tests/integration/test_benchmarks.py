@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import _callgrind
-from lightning_hooks.diagnose.health import CHECKS
+from lightning_hooks import HealthMonitor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,29 +64,42 @@ def test_a_tiny_timed_run_prints_a_table_with_every_variant_asked_for() -> None:
     out = output_of(
         [sys.executable, "benchmarks/overhead.py", "--workloads", "digits-cnn", "--frequencies", "2"]
         + ["--repeats", "1", "--steps", "4", "--warmup", "1", "--no-memory", "--only", "GradClamp @2"]
-        + ["torch's foreach clamp alone @2"]
+        + ["GradStats + ActivationStats @2", "torch's foreach clamp alone @2"]
     )
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    names = [row.split(" | ")[0] for row in rows]
-    assert names == ["| lightning @2", "| GradClamp @2", "| torch's foreach clamp alone @2", "| lightning @2, again"]
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row[0] for row in rows] == [
+        "| lightning @2",
+        "| GradClamp @2",
+        "| GradStats + ActivationStats @2",
+        "| torch's foreach clamp alone @2",
+        "| lightning @2, again",
+    ]
+    assert all(float(row[1]) > 0 for row in rows)  # milliseconds per step
+    assert rows[0][2:5] == ["1.000", "1.000", "1.000"]  # the baseline against itself
     assert "ms per step in Lightning without callbacks" in out
 
 
-def test_the_logging_step_split_prints_every_part() -> None:
+def test_the_logging_step_prints_each_code_base_and_each_floor() -> None:
     out = output_of(
         [sys.executable, "benchmarks/logging_step.py", "--workload", "digits-cnn", "--repeats", "1"]
-        + ["--steps", "8", "--every", "2", "--floor"]
+        + ["--steps", "8", "--every", "2", "--floor", "--before", str(ROOT)]
     )
-    [row] = [line for line in out.splitlines() if line.startswith("| this checkout |")]
-    assert len(row.split(" | ")) == 7
-    floors = [line.split(" | ") for line in out.splitlines() if "(floor) |" in line]
-    assert [cells[0] for cells in floors] == [
-        "| hooks that do nothing (floor)",
-        "| hooks + one sum per tensor (floor)",
-        "| hooks + copies + six statistics in rows (floor)",
-        "| the same + parameter gradients (floor)",
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "| code |" not in line]
+    assert [row[0] for row in rows] == [
+        f"| before ({ROOT})",
+        "| this checkout",
+        "| torch hooks that do nothing",
+        "| torch hooks + one sum per tensor",
+        "| torch hooks + copies + four reductions per shape",
     ]
-    assert "reduction kernels | host work per key | event writing | writer thread" in out
+    for row in rows:
+        assert len(row) == 4
+        quiet_cpu, quiet_wall = (float(x) for x in row[1].split(" / "))
+        assert quiet_cpu > 0
+        assert quiet_wall > 0
+    assert "| code | quiet step, CPU / wall | logging step's extra, CPU (× quiet) / wall | other threads |" in out
+    assert "digits-cnn (" in out
+    assert "GradStats + ActivationStats every 2 steps, histograms off" in out
 
 
 def test_the_health_calibration_prints_each_run_and_each_check() -> None:
@@ -96,5 +109,5 @@ def test_the_health_calibration_prints_each_run_and_each_check() -> None:
     assert runs["| dead ReLU"][3:5] == ["yes", "dead_units net.1 @0; update_ratio net.0 @10 |"]
     assert runs["| NumNet"][3:5] == ["yes", "none |"]
     checks = [row for row in rows if row[0].startswith("| `")]
-    assert [row[0] for row in checks] == [f"| `{check}`" for check in CHECKS]
+    assert [row[0] for row in checks] == [f"| `{check}`" for check in HealthMonitor().checks]
     assert checks[0][1:] == ["1 of 1", "0 |"]
