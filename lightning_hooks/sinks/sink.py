@@ -411,17 +411,6 @@ class Sink:
         """Every scalar tag this sink has logged, in order (rank zero only)."""
         self._held: dict[int, StepData] | None = None
         self._held_layout: int | None = None
-        self._laid_out: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
-        """How many of ``tags`` each backend's layout was last given (tags are only ever added)."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_laid_out"]  # weak references do not pickle (DDP spawn pickles callbacks): a copy lays out anew
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._laid_out = weakref.WeakKeyDictionary()
 
     def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
         return [(logger, backend(logger)) for logger in trainer.loggers]
@@ -453,8 +442,7 @@ class Sink:
     @rank_zero_only
     def log_step(self, trainer: pl.Trainer, data: StepData) -> None:
         """Send one logging step to every logger, one write each (a ``log`` call, an event, a batch)."""
-        if not self.tags.keys() >= data.scalars.keys():  # the same tags at every step: a lookup each, no new dict
-            self.tags.update(dict.fromkeys(data.scalars))
+        self.tags.update(dict.fromkeys(data.scalars))
         backends = self._backends(trainer)
         self._warn_unshown(backends, data.kinds())
         for logger, found in backends:
@@ -557,8 +545,4 @@ class Sink:
             self._held_layout = step
             return
         for logger, found in self._backends(trainer):
-            # As many tags as the backend was given last time are the same tags: nothing to lay out (comparing
-            # the sets of 4,400 tags at every logging step cost 2.5 M instructions).
-            if self._laid_out.get(found) != len(self.tags):
-                found.layout(logger, self.tags, step)
-                self._laid_out[found] = len(self.tags)
+            found.layout(logger, self.tags, step)
