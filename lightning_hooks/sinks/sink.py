@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import posixpath
 import re
 import tempfile
@@ -184,7 +183,7 @@ class TensorBoardBackend(Backend):
         for tag, text in data.markdown().items():
             files.add_summary(text_proto(tag, text), data.step)
         for tag, image in data.images.items():
-            files.add_summary(png_summary(tag, image), data.step)
+            logger.experiment.add_image(tag, image, data.step, dataformats="HWC")
 
     def layout(self, logger: TensorBoardLogger, tags: Iterable[str], step: int) -> None:
         tags = list(tags)
@@ -201,17 +200,6 @@ class TensorBoardBackend(Backend):
 
 OPEN_CHARTS_MAX = 12
 """A custom-scalars category with more charts than this starts closed in TensorBoard."""
-
-
-def png_summary(tag: str, image: NDArray[np.uint8]) -> Summary:
-    """What ``SummaryWriter.add_image(tag, image, dataformats="HWC")`` writes for a ``uint8`` image, byte for byte."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    height, width, channels = image.shape
-    encoded = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
-    return Summary(value=[Summary.Value(tag=tag, image=encoded)])
 
 
 def _closing_large_categories(summary: Any) -> Any:
