@@ -12,26 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import posixpath
 import re
 import tempfile
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeGuard
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
-from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from torch.utils.tensorboard.summary import custom_scalars
 from torch.utils.tensorboard.summary import text as text_summary
 
 from lightning_hooks.core.tables import Cell, Table
-from lightning_hooks.sinks.events import HistogramSummaries, ScalarSummaries, checksum_in_c, write_summary
+from lightning_hooks.sinks.events import checksum_in_c
 from lightning_hooks.sinks.layout import build_layout
 from lightning_hooks.stats.histogram import Histogram
 
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 
     import lightning.pytorch as pl
     from numpy.typing import NDArray
+    from torch.utils.tensorboard.writer import FileWriter
 
 HISTOGRAMS, FIGURES, TEXT, TABLES = "histograms", "figures", "text", "tables"
 EXTRAS = (HISTOGRAMS, FIGURES, TEXT, TABLES)
@@ -109,21 +109,53 @@ class Backend:
         """Put what the logger holds on disk now, e.g. before an exception ends the fit."""
 
 
-def _writes_events(logger: object) -> TypeGuard[TensorBoardLogger]:
-    """A TensorBoardLogger with Lightning's own ``log_metrics`` and torch's ``SummaryWriter``."""
-    return (
-        isinstance(logger, TensorBoardLogger)
-        and not _overrides_log_metrics(logger, TensorBoardLogger)
-        and hasattr(logger.experiment, "_get_file_writer")
+def prefixed(logger: TensorBoardLogger | WandbLogger, scalars: dict[str, float]) -> Mapping[str, Any]:
+    """``scalars`` under the tags the logger's own ``log_metrics`` gives them (its ``prefix`` added)."""
+    return _add_prefix(scalars, logger._prefix, logger.LOGGER_JOIN_CHAR)
+
+
+def histogram_proto(hist: Histogram) -> HistogramProto:
+    """The ``HistogramProto`` that ``SummaryWriter.add_histogram_raw`` makes of ``hist``'s fields.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> hist = SimpleNamespace(min=0.0, max=2.0, num=3.0, sum=2.5, sum_squares=4.25,
+        ...                        bucket_limits=[1.0, 2.0], bucket_counts=[2.0, 1.0])
+        >>> proto = histogram_proto(hist)
+        >>> proto.num, list(proto.bucket_limit), list(proto.bucket)
+        (3.0, [1.0, 2.0], [2.0, 1.0])
+    """
+    return HistogramProto(
+        min=hist.min,
+        max=hist.max,
+        num=hist.num,
+        sum=hist.sum,
+        sum_squares=hist.sum_squares,
+        bucket_limit=hist.bucket_limits,
+        bucket=hist.bucket_counts,
     )
 
 
-_EVENTS_KEPT = 8
-"""Lists of scalar tags a TensorBoard backend keeps the summary bytes of (one per callback, usually)."""
+def text_proto(tag: str, text: str) -> Summary:
+    """What ``SummaryWriter.add_text`` writes, under ``tag`` itself and as one string rather than a vector of one
+    (TensorBoard would frame a markdown table inside a table of cells).
+
+    Example::
+
+        >>> value = text_proto("shapes/train", "| a |").value[0]
+        >>> value.tag, value.tensor.string_val, len(value.tensor.tensor_shape.dim)
+        ('shapes/train', [b'| a |'], 0)
+    """
+    summary = text_summary(tag, text)
+    summary.value[0].tag = tag
+    summary.value[0].tensor.tensor_shape.ClearField("dim")
+    return summary
 
 
 class TensorBoardBackend(Backend):
-    """Scalars as one event per step, histograms, markdown text and tables, images, the custom-scalars layout."""
+    """All of a step's scalars as one event, its histograms as another, markdown text and tables, images, and the
+    custom-scalars layout; every record checksummed in C (:mod:`lightning_hooks.sinks.events`)."""
 
     name = "TensorBoard"
     shows = frozenset(EXTRAS)
@@ -132,94 +164,35 @@ class TensorBoardBackend(Backend):
         super().__init__()
         self.layout_tags: dict[str, None] = {}
         """Every scalar tag a sink has put in this run's custom-scalars layout, in logging order."""
-        self.summaries: dict[tuple[str, ...], ScalarSummaries] = {}
-        """The scalar summaries of each list of tags written, made from bytes at the next step with the same tags."""
-        self.histogram_summaries: dict[tuple[str, ...], HistogramSummaries] = {}
-        """The same for the histograms' tags."""
 
     @staticmethod
-    def checksum_in_c(logger: TensorBoardLogger) -> None:
-        """Records of the logger's event file get their CRCs from C: the same bytes, see :mod:`._events`."""
-        if hasattr(logger.experiment, "_get_file_writer"):
-            checksum_in_c(logger.experiment._get_file_writer())
+    def file_writer(logger: TensorBoardLogger) -> FileWriter:
+        checksum_in_c(logger.experiment)
+        return logger.experiment._get_file_writer()
 
     def write(self, logger: TensorBoardLogger, data: StepData) -> None:
-        self.checksum_in_c(logger)
-        if data.scalars and _writes_events(logger):
-            # What `log_metrics` writes, prefix included, as one summary of many values: Lightning's
-            # writes one event per scalar, about 20 µs each, and a step can have a hundred or more.
-            # A callback logs the same tags at every logging step: the summary of a list of tags is serialised
-            # once and each step's values are written into its bytes, which are parsed into the step's event
-            # (see ScalarSummaries; setting 6,000 fields one by one cost 5 times as many instructions).
-            values = _add_prefix(data.scalars, logger._prefix, logger.LOGGER_JOIN_CHAR)
-            tags = tuple(values)
-            summaries = self.summaries.get(tags)
-            if summaries is None:
-                if len(self.summaries) >= _EVENTS_KEPT:
-                    self.summaries.clear()
-                summaries = self.summaries[tags] = ScalarSummaries(tags)
-            # The prefix changes only the tags.
-            write_summary(logger.experiment._get_file_writer(), summaries.serialised(data.scalars.values()), data.step)
-        else:
+        files = self.file_writer(logger)
+        if data.scalars and _overrides_log_metrics(logger, TensorBoardLogger):
             super().write(logger, data)
-        if not data.kinds():
-            return
-        writer = logger.experiment
-        # torch's SummaryWriter, whose file writer takes whole events; tensorboardX's has no such method
-        files = writer._get_file_writer() if hasattr(writer, "_get_file_writer") else None
-        if data.histograms and files is not None:
-            # One event for the step's histograms, as for its scalars: `add_histogram_raw` writes an event each.
-            # Made from bytes, like the scalars' summary (see HistogramSummaries).
-            # One concatenation (np.stack spends a Python-level step on each of 1,200 rows), then the rows back.
-            flat = np.concatenate([hist.row for hist in data.histograms.values()], dtype=np.float64)
-            rows = flat.reshape(len(data.histograms), -1)
-            tags = tuple(data.histograms)
-            histograms = self.histogram_summaries.get(tags)
-            if histograms is None or histograms.bins != rows.shape[1] - 5:
-                if len(self.histogram_summaries) >= _EVENTS_KEPT:
-                    self.histogram_summaries.clear()
-                histograms = self.histogram_summaries[tags] = HistogramSummaries(tags, rows.shape[1] - 5)
-            write_summary(files, histograms.serialised(rows), data.step)
-        else:
-            for tag, hist in data.histograms.items():  # pragma: no cover - tensorboardX writer
-                writer.add_histogram_raw(
-                    tag,
-                    min=hist.min,
-                    max=hist.max,
-                    num=hist.num,
-                    sum=hist.sum,
-                    sum_squares=hist.sum_squares,
-                    bucket_limits=hist.bucket_limits,
-                    bucket_counts=hist.bucket_counts,
-                    global_step=data.step,
-                )
+        elif data.scalars:
+            scalars = [Summary.Value(tag=t, simple_value=v) for t, v in prefixed(logger, data.scalars).items()]
+            files.add_summary(Summary(value=scalars), data.step)
+        if data.histograms:
+            histograms = [Summary.Value(tag=t, histo=histogram_proto(h)) for t, h in data.histograms.items()]
+            files.add_summary(Summary(value=histograms), data.step)
         for tag, text in data.markdown().items():
-            if files is not None:
-                # `add_text` files the text under "<tag>/text_summary"; keep the tag users asked for.
-                summary = text_summary(tag, text)
-                summary.value[0].tag = tag
-                # A scalar string, not a 1-element vector: TensorBoard renders a vector as a table of
-                # cells, which would frame a markdown table inside another one.
-                summary.value[0].tensor.tensor_shape.ClearField("dim")
-                files.add_summary(summary, data.step)
-            else:  # pragma: no cover - tensorboardX writer
-                writer.add_text(tag, text, global_step=data.step)
+            files.add_summary(text_proto(tag, text), data.step)
         for tag, image in data.images.items():
-            if files is not None:
-                files.add_summary(png_summary(tag, image), data.step)
-            else:  # pragma: no cover - tensorboardX writer
-                writer.add_image(tag, image, global_step=data.step, dataformats="HWC")
+            logger.experiment.add_image(tag, image, data.step, dataformats="HWC")
 
     def layout(self, logger: TensorBoardLogger, tags: Iterable[str], step: int) -> None:
         tags = list(tags)
-        if self.layout_tags.keys() >= set(tags):  # every logging step asks; a set compares in C
+        if self.layout_tags.keys() >= set(tags):
             return
         self.layout_tags.update(dict.fromkeys(tags))
         layout = build_layout(self.layout_tags)
-        self.checksum_in_c(logger)
-        writer = logger.experiment
-        if layout and hasattr(writer, "_get_file_writer"):
-            writer._get_file_writer().add_summary(_closing_large_categories(custom_scalars(layout)), step)
+        if layout:
+            self.file_writer(logger).add_summary(_closing_large_categories(custom_scalars(layout)), step)
 
     def flush(self, logger: TensorBoardLogger) -> None:
         logger.experiment.flush()
@@ -229,29 +202,9 @@ OPEN_CHARTS_MAX = 12
 """A custom-scalars category with more charts than this starts closed in TensorBoard."""
 
 
-def png_summary(tag: str, image: NDArray[np.uint8]) -> Summary:
-    """What ``SummaryWriter.add_image(tag, image, dataformats="HWC")`` writes for a ``uint8`` image, byte for byte.
-
-    Encoded with Pillow (matplotlib's own dependency) straight from the pixels: ``add_image``
-    first makes two float32 copies of them to scale and clip values that a ``uint8`` image
-    cannot need, 39 MB of peak memory for a 2,400-pixel-wide figure, against 2 MB here.
-    """
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    height, width, channels = image.shape
-    encoded = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
-    return Summary(value=[Summary.Value(tag=tag, image=encoded)])
-
-
 def _closing_large_categories(summary: Any) -> Any:
-    """``summary`` (torch's custom-scalars summary) with its large categories closed.
-
-    TensorBoard draws every chart of every open category at once: a 24-layer transformer's
-    hundreds of charts keep a browser busy for minutes. Closed, a category costs one header until
-    the user opens it.
-    """
+    """``summary`` (torch's custom-scalars summary) with every category of more than :data:`OPEN_CHARTS_MAX` charts
+    closed: TensorBoard draws every chart of an open category at once."""
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     value = summary.value[0]
@@ -282,7 +235,7 @@ class WandbBackend(Backend):
         if data.scalars and _overrides_log_metrics(logger, WandbLogger):
             super().write(logger, data)
         else:
-            row.update(_add_prefix(data.scalars, logger._prefix, logger.LOGGER_JOIN_CHAR))
+            row.update(prefixed(logger, data.scalars))
         for tag, hist in data.histograms.items():
             edges = np.array([hist.min, *hist.bucket_limits])
             row[tag] = wandb.Histogram(np_histogram=(np.array(hist.bucket_counts), edges))
@@ -446,17 +399,6 @@ class Sink:
         """Every scalar tag this sink has logged, in order (rank zero only)."""
         self._held: dict[int, StepData] | None = None
         self._held_layout: int | None = None
-        self._laid_out: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
-        """How many of ``tags`` each backend's layout was last given (tags are only ever added)."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_laid_out"]  # weak references do not pickle (DDP spawn pickles callbacks): a copy lays out anew
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._laid_out = weakref.WeakKeyDictionary()
 
     def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
         return [(logger, backend(logger)) for logger in trainer.loggers]
@@ -488,8 +430,7 @@ class Sink:
     @rank_zero_only
     def log_step(self, trainer: pl.Trainer, data: StepData) -> None:
         """Send one logging step to every logger, one write each (a ``log`` call, an event, a batch)."""
-        if not self.tags.keys() >= data.scalars.keys():  # the same tags at every step: a lookup each, no new dict
-            self.tags.update(dict.fromkeys(data.scalars))
+        self.tags.update(dict.fromkeys(data.scalars))
         backends = self._backends(trainer)
         self._warn_unshown(backends, data.kinds())
         for logger, found in backends:
@@ -592,8 +533,4 @@ class Sink:
             self._held_layout = step
             return
         for logger, found in self._backends(trainer):
-            # As many tags as the backend was given last time are the same tags: nothing to lay out (comparing
-            # the sets of 4,400 tags at every logging step cost 2.5 M instructions).
-            if self._laid_out.get(found) != len(self.tags):
-                found.layout(logger, self.tags, step)
-                self._laid_out[found] = len(self.tags)
+            found.layout(logger, self.tags, step)

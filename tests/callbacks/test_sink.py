@@ -12,15 +12,21 @@ from lightning_hooks import ActivationStats
 from tests.support.helpers import TinyNet, events, make_trainer, scalars
 
 
-def scalar_events(root: Path) -> list[list[str]]:
-    """The scalar tags of each event in the run's files, in file order (TensorBoard's raw loader)."""
+def step_events(root: Path, plugin: str = "scalars") -> list[tuple[int, list[str]]]:
+    """The step and the tags of each event of the run holding ActivationStats' values for ``plugin``, in file
+    order (TensorBoard's loader, which reads each value as its plugin's tensor)."""
     (path,) = root.rglob("events.out.tfevents.*")
     found = []
     for event in EventFileLoader(str(path)).Load():
-        tags = [v.tag for v in event.summary.value if v.tag.startswith("act_")]
+        values = event.summary.value
+        tags = [v.tag for v in values if v.metadata.plugin_data.plugin_name == plugin and v.tag.startswith("act")]
         if tags:
-            found.append(tags)
+            found.append((event.step, tags))
     return found
+
+
+def scalar_events(root: Path) -> list[list[str]]:
+    return [tags for _, tags in step_events(root)]
 
 
 def test_a_logging_step_writes_all_its_scalars_as_one_tensorboard_event(tmp_path: Path) -> None:
@@ -29,6 +35,22 @@ def test_a_logging_step_writes_all_its_scalars_as_one_tensorboard_event(tmp_path
     assert len(written) == 3  # steps 0, 2, 4
     assert len(written[0]) == len(set(written[0])) >= 10  # every statistic of every layer, once
     assert scalars(tmp_path, "act_mean/fc1").keys() == {0, 2, 4}
+
+
+def test_a_logging_step_writes_all_its_histograms_as_one_tensorboard_event(tmp_path: Path) -> None:
+    make_trainer(tmp_path, [ActivationStats(histograms=True)], max_steps=5).fit(TinyNet())
+    written = step_events(tmp_path, "histograms")
+    assert [step for step, _ in written] == [0, 2, 4]
+    assert all(tags == written[0][1] for _, tags in written)
+    assert {"act/fc1", "act/fc2", "act/act"} <= set(written[0][1])
+    read = events(tmp_path).Histograms("act/fc1")
+    assert [(e.step, e.histogram_value.num) for e in read] == [(0, 128), (2, 64), (4, 128)]  # fc1's 8 outputs a row
+    for e in read:
+        hist = e.histogram_value
+        assert sum(hist.bucket) == hist.num
+        assert hist.min < hist.max
+        assert list(hist.bucket_limit) == sorted(hist.bucket_limit)
+        assert hist.bucket_limit[-1] == pytest.approx(hist.max)
 
 
 class OddSteps(TinyNet):
@@ -52,10 +74,11 @@ def test_steps_with_other_tags_get_their_own_events(tmp_path: Path) -> None:
 
 def test_the_tensorboard_logger_prefix_is_kept(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="tb", version=0, prefix="probe")
-    make_trainer(tmp_path, [ActivationStats()], max_steps=3, logger=logger).fit(TinyNet())
-    tags = events(tmp_path).Tags()["scalars"]
-    assert "probe-act_mean/fc1" in tags
-    assert "act_mean/fc1" not in tags
+    make_trainer(tmp_path, [ActivationStats(histograms=True)], max_steps=3, logger=logger).fit(TinyNet())
+    tags = events(tmp_path).Tags()
+    assert "probe-act_mean/fc1" in tags["scalars"]
+    assert "act_mean/fc1" not in tags["scalars"]
+    assert "act/fc1" in tags["histograms"]  # as Lightning's own TensorBoardLogger: the prefix is for metrics only
 
 
 class RecordingTensorBoardLogger(TensorBoardLogger):
