@@ -306,7 +306,8 @@ class _UpdateRatio:
         with torch.no_grad():
             self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
             self.params = [(name, p) for name, p in params if not is_sharded(p)]
-            self.before = torch._foreach_mul([p for _, p in self.params], 1.0) if self.params else []  # copies
+            tensors = [p for _, p in self.params]
+            self.before: list[torch.Tensor] = list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # copies
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params, self.params = self.params, []  # the copies are freed as soon as the ratios are taken

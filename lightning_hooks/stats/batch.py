@@ -129,9 +129,9 @@ class StatBatch:
         groups: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = {}
         for key, t in zip(keys, tensors, strict=True):
             self._order[key] = None
-            group = groups.setdefault((t.device, t.shape), ([], []))
-            group[0].append(key)
-            group[1].append(t)
+            group_keys, group = groups.setdefault((t.device, t.shape), ([], []))
+            group_keys.append(key)
+            group.append(t)
         with torch.no_grad():
             for group_keys, group in groups.values():
                 self._take(group_keys, group, histogram)

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.tensorboard.summary import image as image_summary
 
 from lightning_hooks import ActivationStats, GradStats
+from lightning_hooks.sinks.backends import OPEN_CHARTS_MAX
 from lightning_hooks.sinks.layout import STATISTICS
-from lightning_hooks.sinks.sink import OPEN_CHARTS_MAX
 from tests.support.helpers import TinyNet, events, make_trainer
 
 KNOWN = tuple(f"{s.prefix}/" for s in STATISTICS)

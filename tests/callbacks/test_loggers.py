@@ -22,7 +22,8 @@ from torch import nn
 
 from benchmarks.overhead import SyncCounter
 from lightning_hooks import ActivationStats, GradStats, NonFiniteGuard, ShapeLogger
-from lightning_hooks.sinks.sink import Sink, mlflow_key
+from lightning_hooks.sinks.backends import mlflow_key
+from lightning_hooks.sinks.sink import Sink
 from tests.support.helpers import TinyNet, events, make_trainer, scalars, texts
 
 STEPS = 5  # stats and Lightning's loss at 0, 2, 4; figures at 0 and 4; shape tables at 0 and 2 (smaller last batch)
