@@ -306,7 +306,7 @@ class _UpdateRatio:
         with torch.no_grad():
             self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
             self.params = [(name, p) for name, p in params if not is_sharded(p)]
-            tensors = [p for _, p in self.params]
+            tensors: list[torch.Tensor] = [p for _, p in self.params]
             self.before: list[torch.Tensor] = list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # copies
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
