@@ -139,8 +139,8 @@ class NonFiniteGuard(HookCallback):
         * **Modules whose outputs are meant to be infinite** (one that builds a ``-inf`` mask)
           are findings: leave them out with ``exclude``.
         * **What a replay runs twice**: Python side effects of ``training_step`` (counters, a
-          ``torchmetrics`` metric updated there) and the hooks of other callbacks recording the
-          same step happen again on the replayed step only.
+          ``torchmetrics`` metric updated there) happen again on the replayed step; the hooks of
+          this package's other callbacks sleep through it.
         * **DDP**: in replay mode the sentinel reads the all-reduced gradients, so every rank
           reaches the same verdict without a collective (a loss that is non-finite on one rank
           only counts through the gradients it makes); each rank replays its own micro-batches,
