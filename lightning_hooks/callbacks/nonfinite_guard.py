@@ -54,9 +54,8 @@ class NonFiniteGuard(HookCallback):
     **mode="replay"** (the default): free on healthy steps, exact on the step that goes bad.
     On each checked optimizer step (every ``check_every_n_steps``-th, from step 0) no hook is
     attached; a *sentinel* checks the step in ``on_before_optimizer_step`` (after AMP unscaling
-    and after DDP's all-reduce of the gradients): one fused on-device reduction of the parameter
-    gradients (``torch._foreach_norm``; on a CPU their sum over them end to end, see
-    :func:`~lightning_hooks.recorders.finite.finite_step`) stacked with the losses of the step's
+    and after DDP's all-reduce of the gradients): one on-device reduction of the parameter
+    gradients (:func:`~lightning_hooks.recorders.finite.finite_step`) with the losses of the step's
     micro-batches, read with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
     All the sentinel keeps meanwhile is a reference to each micro-batch (never a copy), the
     random-number-generator states (CPU, and the accelerator's) and the train/eval flags each
@@ -76,9 +75,9 @@ class NonFiniteGuard(HookCallback):
 
     **mode="eager"**: on a checked step, all micro-batches of it, each selected module gets a
     forward pre-hook and a forward hook, removed when the step ends unless the next step is
-    checked too (then they stay, switched off between batches, as re-registering them costs
-    more); on steps that are not checked nothing is attached and nothing is computed. It costs
-    every checked step a reading of every activation, and catches what never reaches the loss
+    checked too (then they stay, switched off between batches); on steps that are not checked
+    nothing is attached and nothing is computed. It reads every activation of every checked
+    step, and catches what never reaches the loss
     or the gradients (a NaN in a branch masked out by ``torch.where``), which the replay's
     sentinel cannot see.
 
@@ -140,8 +139,8 @@ class NonFiniteGuard(HookCallback):
         * **Modules whose outputs are meant to be infinite** (one that builds a ``-inf`` mask)
           are findings: leave them out with ``exclude``.
         * **What a replay runs twice**: Python side effects of ``training_step`` (counters, a
-          ``torchmetrics`` metric updated there) and the hooks of other callbacks recording the
-          same step happen again on the replayed step only.
+          ``torchmetrics`` metric updated there) happen again on the replayed step; the hooks of
+          this package's other callbacks sleep through it.
         * **DDP**: in replay mode the sentinel reads the all-reduced gradients, so every rank
           reaches the same verdict without a collective (a loss that is non-finite on one rank
           only counts through the gradients it makes); each rank replays its own micro-batches,
@@ -303,8 +302,7 @@ class NonFiniteGuard(HookCallback):
             if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
                 self._check(trainer, None, step)
             self._disarm()
-        if not self.gate.is_open and not self.is_logging_step(trainer):
-            # Re-registering the hooks for the very next step would cost more than keeping them.
+        if not self.gate.is_open and not self.is_logging_step(trainer):  # kept while the next step is checked
             self._step_handles.remove()
 
     def _sentinel(
@@ -482,12 +480,11 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
 
 def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The dense gradients of ``optimizer``'s parameters: what the sentinel reads on every step."""
-    strided = torch.strided
     return [
         grad
         for group in optimizer.param_groups
         for p in group["params"]
-        if (grad := p.grad) is not None and grad.layout is strided  # layouts are singletons
+        if (grad := p.grad) is not None and grad.layout == torch.strided
     ]
 
 

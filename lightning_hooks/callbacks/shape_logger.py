@@ -85,9 +85,6 @@ class ShapeLogger(HookCallback):
         self.collapse_repeats = _validate.boolean("ShapeLogger", "collapse_repeats", collapse_repeats)
         self._recorder = ShapeRecorder()
         self._logged: set[str] = set()
-        self._last: tuple[tuple[object, ...], str] = ((), "")
-        """The table recorded last and its digest: a re-check that finds the same table hashes nothing (the
-        table's ``repr`` alone cost 7 M instructions on a 24-layer encoder)."""
         self._last_batch: tuple[torch.Size, ...] | None = None
         self._batch: Signature = ()
         self._params: dict[str, int] = {}
@@ -108,7 +105,6 @@ class ShapeLogger(HookCallback):
         self._recorder.active = False
         self._recorder.clear()
         self._logged = set()
-        self._last = ((), "")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -149,9 +145,7 @@ class ShapeLogger(HookCallback):
         if not self._logged:  # the first table of this fit
             report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, step)
         table = recorder.table()
-        if table != self._last[0]:
-            self._last = (table, hashlib.sha1(repr(table).encode()).hexdigest()[:16])
-        digest = self._last[1]
+        digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:
             self._logged.add(digest)
             header = f"{type_label(pl_module)} · step {step} · batch {format_signature(self._batch)}"

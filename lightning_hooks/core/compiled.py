@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core.handles import Observer
 from lightning_hooks.core.select import is_compile_wrapper
 from lightning_hooks.stats.batch import Key, StatBatch, sample, state_row
 
@@ -61,13 +62,14 @@ class Switch:
 
 
 class Switched:
-    """A module hook that calls ``hook`` only while ``switch.on``; traceable, so dynamo inlines it."""
+    """A module hook that calls ``hook`` only while ``switch.on`` and observers are awake (see
+    :func:`~lightning_hooks.core.handles.observers_asleep`); traceable, so dynamo inlines it."""
 
     def __init__(self, switch: Switch, hook: Callable[..., Any]) -> None:
         self.switch, self.hook = switch, hook
 
     def __call__(self, *args: Any) -> Any:
-        if self.switch.on:
+        if self.switch.on and not Observer.asleep:
             return self.hook(*args)
         return None
 

@@ -78,37 +78,8 @@ def _collect(obj: Any, prefix: str, out: list[tuple[str, Any]], level: int) -> N
             _collect(child, f"{name}.{key}" if name else key, out, level + 1)
 
 
-_FLAT = (torch.Tensor, bool, int, float, str, type(None))
-"""Values that are leaves to pytree, whatever is registered with it."""
-
-
-def flat_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]] | None:
-    """:func:`named_leaves` of what most modules take and return, without the pytree walk; ``None`` for anything else.
-
-    That is a bare tensor, or one plain tuple, list or dict of tensors and scalars (``(out, None)``,
-    ``{"0": x, "attn_mask": m, "need_weights": False}``): the walk costs 7 to 20 microseconds a call,
-    too much for a hook on every module.
-
-    Example::
-
-        >>> import torch
-        >>> flat_leaves((torch.zeros(1), None), prefix="out"), flat_leaves([[1]])
-        ([('out.0', tensor([0.])), ('out.1', None)], None)
-    """
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)]
-    kind = type(obj)
-    if kind is tuple or kind is list or kind is dict:
-        items = obj.items() if kind is dict else enumerate(obj)
-        leaves = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in items]
-        if all(isinstance(v, _FLAT) for _, v in leaves):
-            return leaves
-    return None
-
-
 def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a nested structure with their dotted paths (the common forms without a walk: see
-    :func:`flat_leaves`).
+    """The tensors of a nested structure with their dotted paths.
 
     Example::
 
@@ -116,16 +87,11 @@ def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
         >>> [p for p, _ in named_tensors((torch.zeros(1), None, torch.ones(1)), prefix="lstm.out")]
         ['lstm.out.0', 'lstm.out.2']
     """
-    leaves = flat_leaves(obj, prefix)
-    if leaves is None:
-        leaves = named_leaves(obj, prefix)
-    return [(p, v) for p, v in leaves if isinstance(v, torch.Tensor)]
+    return [(p, v) for p, v in named_leaves(obj, prefix) if isinstance(v, torch.Tensor)]
 
 
 def describe(value: Any) -> Leaf:
     """A tensor's shape as a tuple of ints; anything else by its type name."""
-    if type(value) is torch.Tensor:  # its sizes are ints already
-        return tuple(value.shape)
     if isinstance(value, torch.Tensor):
         return tuple(int(d) for d in value.shape)
     return "None" if value is None else type(value).__name__
@@ -141,14 +107,13 @@ def signature(obj: Any) -> Signature:
         (('logits', (4, 10)), ('aux.0', 'None'), ('aux.1', 'int'))
     """
     try:
-        leaves = flat_leaves(obj)
-        return tuple((path, describe(leaf)) for path, leaf in (named_leaves(obj) if leaves is None else leaves))
+        return tuple((path, describe(leaf)) for path, leaf in named_leaves(obj))
     except Exception:
         return (("", type(obj).__name__),)
 
 
 def leaf_shapes(obj: Any) -> tuple[torch.Size, ...]:
-    """The shapes of the tensors pytree finds in ``obj``: a cheap test of "did the batch change"."""
+    """The shapes of the tensors pytree finds in ``obj``: enough to tell whether the batch changed."""
     try:
         return tuple(leaf.shape for leaf in pytree.tree_leaves(obj) if isinstance(leaf, torch.Tensor))
     except Exception:

@@ -29,10 +29,7 @@ def severity(low: float, high: float) -> int:
 
 
 class Reading(NamedTuple):
-    """What is known of one tensor: its range, its size and how many of its values are not finite.
-
-    A named tuple, not a dataclass: one is made per measured tensor, on the hot path.
-    """
+    """What is known of one tensor: its range, its size and how many of its values are not finite."""
 
     min: float
     max: float

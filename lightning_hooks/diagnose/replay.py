@@ -12,15 +12,14 @@ train/eval flags and the buffers (batch-norm running statistics) are left as the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.handles import HookHandles, observers_asleep
 from lightning_hooks.diagnose.finding import Finding
 from lightning_hooks.recorders.finite import NonFiniteRecorder
 
@@ -44,7 +43,7 @@ class RngState:
 
     @classmethod
     def capture(cls, device: torch.device) -> RngState:
-        if device.type == "cpu":
+        if device.type == "cpu":  # no generator of its own besides the CPU's
             return cls(torch.get_rng_state())
         return cls(torch.get_rng_state(), device, torch.get_device_module(device).get_rng_state(device))
 
@@ -66,39 +65,13 @@ class MicroBatch:
 
 
 def training_flags(modules: Sequence[nn.Module]) -> tuple[bool, ...]:
-    """The train/eval flag of each module (``list(model.modules())``, made once, is cheaper to walk)."""
+    """The train/eval flag of each module."""
     return tuple(m.training for m in modules)
 
 
 def set_training_flags(modules: Sequence[nn.Module], flags: Sequence[bool]) -> None:
     for module, flag in zip(modules, flags, strict=True):
         module.training = flag
-
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-@contextmanager
-def observers_asleep(model: nn.Module) -> Iterator[None]:
-    """Take the module hooks of this package's recorders (other callbacks' statistics, shapes) off
-    ``model`` for the duration, so that what they record of a step is not counted twice by its
-    replay; the user's own hooks (``weight_norm``'s, say) stay, and every dict gets its order back.
-    """
-    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
-    for module in model.modules():
-        for attr in _HOOK_DICTS:
-            hooks = getattr(module, attr)
-            ours = [key for key, hook in hooks.items() if type(hook).__module__.startswith("lightning_hooks.")]
-            if ours:
-                saved.append((hooks, dict(hooks)))
-                for key in ours:
-                    del hooks[key]
-    try:
-        yield
-    finally:
-        for hooks, before in saved:
-            hooks.clear()
-            hooks.update(before)
 
 
 def replay(
@@ -111,10 +84,10 @@ def replay(
 ) -> Finding | None:
     """Run each micro-batch again (``run`` returns its loss) with a recorder on ``modules``; what it found.
 
-    Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with ``backward``,
-    its loss is differentiated with respect to the recorded activations that require grad.
-    The other recorders of this package sleep meanwhile (:func:`observers_asleep`). Afterwards the
-    generators, flags and buffers of ``model`` are as they were, and no hook is left.
+    Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with
+    ``backward``, its loss is differentiated with respect to the recorded activations that require grad. The
+    other recorders of this package sleep meanwhile (:func:`~lightning_hooks.core.handles.observers_asleep`).
+    Afterwards the generators, flags and buffers of ``model`` are as they were, and no hook is left.
 
     Example::
 
@@ -129,7 +102,7 @@ def replay(
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = NonFiniteRecorder(check_backward=backward)
     try:
-        with observers_asleep(model), HookHandles() as handles, torch.enable_grad():
+        with observers_asleep(), HookHandles() as handles, torch.enable_grad():
             recorder.attach(modules, handles)
             recorder.active = True
             for micro in micro_batches:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.handles import HookHandles, observers_asleep
 
 
 def _noop(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -59,7 +59,7 @@ class OwnRegistration(nn.Linear):
         return super().register_forward_hook(hook, **kwargs)
 
 
-def test_forward_hooks_under_one_handle_run_like_registered_ones_and_all_go() -> None:
+def test_forward_hooks_go_through_public_registration_run_in_order_and_all_go() -> None:
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), OwnRegistration(3, 2))
     calls: list[str] = []
 
@@ -77,6 +77,7 @@ def test_forward_hooks_under_one_handle_run_like_registered_ones_and_all_go() ->
     )
     users.append(model[0].register_forward_hook(tap("user after")))
     assert OwnRegistration.registered == 1
+    assert len(handles) == 4
     model(torch.ones(1, 2))
     assert calls == ["user before", "0", "0 again", "user after", "1", "2"]
     handles.remove()
@@ -93,9 +94,9 @@ class Failing(nn.Linear):
         raise RuntimeError("forward failed")
 
 
-def test_pre_hooks_with_kwargs_and_always_called_hooks_under_one_handle() -> None:
+def test_pre_hooks_with_kwargs_and_always_called_hooks() -> None:
     # What ShapeRecorder registers: a pre-hook that sees keyword arguments, a hook that runs even when forward raises.
-    model = nn.ModuleDict({"ok": nn.Linear(2, 2), "failing": Failing(2, 2), "own": OwnRegistration(2, 2)})
+    model = nn.ModuleDict({"ok": nn.Linear(2, 2), "failing": Failing(2, 2)})
     seen: list[tuple[str, object]] = []
 
     def pre(label: str):  # type: ignore[no-untyped-def]
@@ -113,13 +114,10 @@ def test_pre_hooks_with_kwargs_and_always_called_hooks_under_one_handle() -> Non
     handles = HookHandles()
     handles.add_forward_pre_hooks([(m, pre(n)) for n, m in model.items()], with_kwargs=True)
     handles.add_forward_hooks([(m, post(n)) for n, m in model.items()], always_call=True)
-    assert len(handles) == 3  # the module with its own registration got its hooks apart (the forward hook)
     model["ok"](input=torch.ones(1, 2))
-    model["own"](input=torch.ones(1, 2))
     with pytest.raises(RuntimeError, match="forward failed"):
         model["failing"](input=torch.ones(1, 2))
-    expected = [(name, when) for name in ("ok", "own", "failing") for when in (["input"], "after")]
-    assert seen == expected
+    assert seen == [(name, when) for name in ("ok", "failing") for when in (["input"], "after")]
     handles.remove()
     hook_dicts = (
         "_forward_pre_hooks",
@@ -129,3 +127,15 @@ def test_pre_hooks_with_kwargs_and_always_called_hooks_under_one_handle() -> Non
         "_forward_hooks_always_called",
     )
     assert all(not getattr(m, d) for m in model.modules() for d in hook_dicts)
+
+
+def test_observers_sleep_and_the_users_hooks_do_not() -> None:
+    layer, calls = nn.Linear(2, 2), []
+    user = layer.register_forward_hook(lambda *_: calls.append("user"))
+    with HookHandles() as handles:
+        handles.add_forward_hooks([(layer, lambda *_: calls.append("observer"))])
+        with observers_asleep(), observers_asleep():  # nested: asleep until the outermost ends
+            layer(torch.ones(1, 2))
+        layer(torch.ones(1, 2))
+    user.remove()
+    assert calls == ["user", "user", "observer"]

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lightning_hooks.core.nested import call_inputs, format_signature, named_leaves, named_tensors, signature
+from lightning_hooks.core.nested import call_inputs, format_signature, named_tensors, signature
 
 Pair = namedtuple("Pair", "first second")
 
@@ -61,28 +61,25 @@ def test_named_tensors_keeps_only_tensors_with_paths() -> None:
     assert found[1][1] is b
 
 
-@pytest.mark.parametrize("prefix", ["", "lstm.out"])
 @pytest.mark.parametrize(
-    "value",
+    ("value", "paths"),
     [
-        T(2),
-        (T(2),),
-        (T(2), None, T(3)),
-        (),
-        Pair(T(1), T(2)),
-        [T(1), 3, T(2)],
-        {"query": T(1), "attn_mask": None, "need_weights": False, "scale": 0.5, "b": T(2)},
-        {1: T(1), "x": "text"},
-        (T(1), (T(2),)),
-        {"h": [T(1)]},
+        (T(2), [""]),
+        ((T(2),), ["0"]),
+        ((T(2), None, T(3)), ["0", "2"]),
+        ((), []),
+        (Pair(T(1), T(2)), ["first", "second"]),
+        ([T(1), 3, T(2)], ["0", "2"]),
+        ({"query": T(1), "attn_mask": None, "need_weights": False, "b": T(2)}, ["query", "b"]),
+        ({1: T(1), "x": "text"}, ["1"]),
+        ((T(1), (T(2),)), ["0", "1.0"]),
+        ({"h": [T(1)]}, ["h.0"]),
     ],
     ids=["tensor", "1-tuple", "tuple-none", "empty", "namedtuple", "list", "kwargs", "int-key", "nested", "dict-list"],
 )
-def test_named_tensors_fast_path_gives_the_pytree_paths(value: object, prefix: str) -> None:
-    found = named_tensors(value, prefix)
-    walked = [(p, v) for p, v in named_leaves(value, prefix) if isinstance(v, torch.Tensor)]
-    assert [p for p, _ in found] == [p for p, _ in walked]
-    assert all(a is b for (_, a), (_, b) in zip(found, walked, strict=True))
+def test_named_tensors_paths(value: object, paths: list[str]) -> None:
+    assert [p for p, _ in named_tensors(value)] == paths
+    assert [p for p, _ in named_tensors(value, "out")] == [f"out.{p}" if p else "out" for p in paths]
 
 
 def test_packed_sequence_is_shown_by_its_fields() -> None:

@@ -1,0 +1,182 @@
+"""A quiet step makes no host read, on any device, except ``NonFiniteGuard``'s one flag per optimizer step.
+
+A host read is what makes the host wait for the device: ``aten._local_scalar_dense`` (what ``.item()``,
+``float(t)`` and ``bool(t)`` run) and a copy from an accelerator to the CPU. They are counted with a
+``TorchDispatchMode`` held from the first callback's ``on_train_batch_start`` to the last one's
+``on_train_batch_end`` of each quiet step (one that is not a logging step), so every hook of the
+callbacks under test runs inside it. On a CPU, ``.tolist()`` and ``.numpy()`` read host memory
+without dispatching anything; the run on an accelerator (where there is one) sees them as copies.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_hooks
+from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, NonFiniteGuard, ShapeLogger
+from tests.support.helpers import TinyNet, make_trainer
+
+aten = torch.ops.aten
+PACKAGE = str(Path(lightning_hooks.__file__).parent)
+EVERY = 5
+STEPS = 12
+QUIET = [s for s in range(STEPS) if s % EVERY]
+
+HEALTH_READS_ON_CPU = pytest.mark.xfail(
+    reason="callbacks/health_monitor.py:440 reads each quiet step's loss on a CPU (`_GradRing.gated`) to decide "
+    "whether to take gradient norms; remove this mark once it no longer does",
+)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
+def devices(cpu_marks: tuple[pytest.MarkDecorator, ...] = ()) -> list[Any]:
+    return [pytest.param("cpu", marks=cpu_marks), pytest.param("cuda", marks=GPU)]
+
+
+def _where() -> str:
+    """``file:line`` of the innermost frame in this package (else the innermost outside torch) that asked."""
+    frames = traceback.extract_stack()[:-3]
+    ours = [f for f in frames if f.filename.startswith(PACKAGE)]
+    outside = [f for f in frames if "/torch/" not in f.filename]
+    frame = (ours or outside or frames)[-1]
+    name = frame.filename[len(PACKAGE) + 1 :] if ours else Path(frame.filename).name
+    return f"{name}:{frame.lineno}"
+
+
+class HostReads(TorchDispatchMode):
+    """Records where each host read happens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default:
+            self.reads.append(_where())
+        elif func is aten._to_copy.default and args[0].device.type != "cpu":
+            if torch.device(kwargs.get("device") or args[0].device).type == "cpu":
+                self.reads.append(_where())
+        elif func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.reads.append(_where())
+        return func(*args, **kwargs)
+
+
+class QuietSteps:
+    """Two callbacks, ``first`` and ``last``, that hold a :class:`HostReads` over each quiet step's batch."""
+
+    def __init__(self) -> None:
+        self.mode = HostReads()
+        self.steps: list[int] = []
+        self.active = False
+        meter = self
+
+        class First(pl.Callback):
+            def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step % EVERY:
+                    meter.steps.append(trainer.global_step)
+                    meter.mode.__enter__()
+                    meter.active = True
+
+        class Last(pl.Callback):
+            def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+                meter.leave()
+
+            def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+                meter.leave()
+
+        self.first, self.last = First(), Last()
+
+    def leave(self) -> None:
+        if self.active:
+            self.active = False
+            self.mode.__exit__(None, None, None)
+
+
+def quiet_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str) -> list[str]:
+    """Where each host read of the quiet steps of a 12-step fit happened."""
+    meter = QuietSteps()
+    trainer = make_trainer(
+        tmp_path,
+        [meter.first, *callbacks, meter.last],
+        accelerator=device,
+        max_steps=STEPS,
+        log_every_n_steps=EVERY,
+    )
+    trainer.fit(TinyNet(n=64, batch_size=16))  # every batch the same shape: ShapeLogger has no reason to look
+    assert meter.steps == QUIET
+    return meter.mode.reads
+
+
+def all_six() -> list[pl.Callback]:
+    return [ShapeLogger(), GradStats(), ActivationStats(), GradClamp(0.5), NonFiniteGuard(), HealthMonitor()]
+
+
+CALLBACKS = {
+    "ShapeLogger": ShapeLogger,
+    "GradStats": GradStats,
+    "ActivationStats": ActivationStats,
+    "GradClamp": lambda: GradClamp(0.5),
+    "HealthMonitor": HealthMonitor,
+}
+
+
+@pytest.mark.parametrize("device", devices())
+def test_lightning_alone_reads_nothing_on_a_quiet_step(tmp_path: Path, device: str) -> None:
+    # The baseline the callbacks are measured against: with no progress bar and no logged loss, none.
+    assert quiet_reads(tmp_path, [], device) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "device"),
+    [
+        pytest.param(name, device.values[0], marks=[*device.marks, *(marks if name == "HealthMonitor" else ())])
+        for name in CALLBACKS
+        for device, marks in zip(devices(), [(HEALTH_READS_ON_CPU,), ()], strict=True)
+    ],
+)
+def test_a_callback_reads_nothing_on_a_quiet_step(tmp_path: Path, name: str, device: str) -> None:
+    assert quiet_reads(tmp_path, [CALLBACKS[name]()], device) == []
+
+
+@pytest.mark.parametrize("device", devices())
+def test_nonfinite_guard_reads_its_one_flag_per_optimizer_step(tmp_path: Path, device: str) -> None:
+    reads = quiet_reads(tmp_path, [NonFiniteGuard()], device)
+    assert len(reads) == len(QUIET), reads
+    assert len(set(reads)) == 1, reads  # one place: the flag
+
+
+def known_health_reads(reads: list[str], device: str) -> list[str]:
+    """``reads`` less HealthMonitor's own on a CPU (see ``HEALTH_READS_ON_CPU``), which must still be there."""
+    if device != "cpu":
+        return reads
+    health = [r for r in reads if r.startswith("callbacks/health_monitor.py:")]
+    assert health, "HealthMonitor no longer reads on a quiet CPU step: drop this exception and HEALTH_READS_ON_CPU"
+    return [r for r in reads if r not in health]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_all_six_read_only_the_guards_flag(tmp_path: Path, device: str) -> None:
+    reads = known_health_reads(quiet_reads(tmp_path, all_six(), device), device)
+    assert reads == quiet_reads(tmp_path / "guard", [NonFiniteGuard()], device)
+    assert len(reads) <= len(QUIET)
+    without_guard = [c for c in all_six() if not isinstance(c, NonFiniteGuard)]
+    assert known_health_reads(quiet_reads(tmp_path / "without", without_guard, device), device) == []
+
+
+def test_the_meter_sees_a_read(tmp_path: Path) -> None:
+    class Reads(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            float(pl_module.fc1.weight.grad.sum())  # type: ignore[union-attr]
+            bool(pl_module.fc1.weight.grad.isfinite().all())  # type: ignore[union-attr]
+
+    first = Reads.on_before_optimizer_step.__code__.co_firstlineno
+    lines = [f"{Path(__file__).name}:{first + n}" for n in (1, 2)]
+    assert quiet_reads(tmp_path, [Reads()], "cpu") == lines * len(QUIET)
