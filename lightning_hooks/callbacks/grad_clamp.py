@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded
@@ -31,6 +33,15 @@ class GradClamp(HookCallback):
     accumulate into ``.grad`` with its clamped copy, during backward. With
     ``mode="accumulated"`` no hook is registered; the accumulated ``.grad`` is clamped in place
     once per optimizer step, in ``on_before_optimizer_step``.
+
+    In one process on one device (``SingleDeviceStrategy``), with automatic optimization, no
+    ``GradScaler`` and no gradient accumulation, where each backward's gradient lands in an empty
+    ``.grad``, the hooks are not one per parameter: a hook on the loss (in ``on_before_backward``)
+    has every ``.grad`` clamped in place as that backward pass ends, before it returns, with two
+    fused ``torch._foreach`` operators. The gradients are the same and so is every later reader's
+    view of them; what changes is the cost: two fused operators instead of autograd calling
+    Python for each parameter (docs/performance.md). A step whose ``.grad`` already holds a gradient gets the
+    hook per parameter, for that backward.
 
     Frozen parameters (``requires_grad=False``) are skipped; a parameter shared by several modules
     is clamped once. On logging steps the share of gradient elements that were clamped is logged
@@ -104,6 +115,8 @@ class GradClamp(HookCallback):
         self._params: list[nn.Parameter] = []
         self._sharded = False
         """Whether some parameter is sharded (FSDP2): the clamped count is then summed over processes."""
+        self._per_backward = False
+        """Whether each backward pass gets its clamp in ``on_before_backward`` (see the class docstring)."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -123,7 +136,17 @@ class GradClamp(HookCallback):
         if self.mode == "backward" and self._sharded:
             self._clamper.attach_unsharded(modules, self._params, self._handles, self._step_handles)
         elif self.mode == "backward":
-            self._clamper.attach(self._params, self._handles)
+            self._per_backward = (
+                # One process on one device, no wrapper: DDP, even in one process, copies its reduced buckets
+                # back into `.grad` as the backward pass ends.
+                isinstance(trainer.strategy, SingleDeviceStrategy)
+                and self._clamper.scaler is None
+                and trainer.accumulate_grad_batches == 1
+                and pl_module.automatic_optimization
+                and type(pl_module).backward is LightningModule.backward  # the loss given is the one backpropagated
+            )
+            if not self._per_backward:
+                self._clamper.attach(self._params, self._handles)
 
     @override
     def _detach(self) -> None:
@@ -131,6 +154,7 @@ class GradClamp(HookCallback):
         self._clamper.count.reset()
         self._clamper.unsharded.clear()
         self._params = []
+        self._per_backward = False
 
     @override
     def on_train_batch_start(
@@ -139,6 +163,16 @@ class GradClamp(HookCallback):
         if not self.gate.is_open:
             step = self.due_step(trainer)
             self._clamper.count.active = step is not None and self.gate.begin(step, due=True)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._per_backward:
+            self._clamper.attach_backward(loss, self._params, self._step_handles)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._per_backward:
+            self._step_handles.remove()
 
     @override
     def on_before_optimizer_step(

@@ -73,7 +73,9 @@ class GradClamper:
 
     In backward a tensor hook on each parameter replaces the gradient autograd is about to
     accumulate into ``.grad`` with its clamped copy, bounded by ``value`` times the current scale
-    of ``scaler`` when one is scaling the loss. ``count`` counts clamped elements while active.
+    of ``scaler`` when one is scaling the loss; or, for one backward pass whose gradients land in
+    empty ``.grad`` (:meth:`attach_backward`), all of them are clamped at once as the pass ends.
+    ``count`` counts clamped elements while active.
 
     Example::
 
@@ -94,6 +96,28 @@ class GradClamper:
     def attach(self, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
         for param in params:
             handles.add(param.register_hook(_ClampHook(self)))
+
+    def attach_backward(self, loss: torch.Tensor, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
+        """Clamp the gradients that the coming backward pass of ``loss`` gives ``params``, in that pass only.
+
+        When none of ``params`` holds a gradient yet (Lightning empties ``.grad`` before each step),
+        a hook on ``loss`` has every ``.grad`` clamped in place once that backward pass ends, before
+        it returns (the autograd engine's final callback): the numbers a hook per parameter gives,
+        as each gradient then lands in an empty ``.grad``, in two ``torch._foreach`` operators
+        instead of a Python call per parameter. Otherwise each parameter gets its hook (:meth:`attach`),
+        so that only the new gradient is clamped, not what ``.grad`` held. Without a scaler only
+        (under one, see :meth:`attach`). Remove ``handles`` once the pass is over.
+        """
+        if not loss.requires_grad:
+            return
+        if any(param.grad is not None for param in params):
+            self.attach(params, handles)
+        else:
+            handles.add(loss.register_hook(_AtBackwardEnd(self, params)))
+
+    def clamp_grads(self, params: Sequence[nn.Parameter]) -> None:
+        """Clamp the ``.grad`` of ``params`` in place to ``[-value, value]`` (unscaled), counting while active."""
+        self._clamp_in_place([grad for param in params if (grad := param.grad) is not None])
 
     def attach_unsharded(
         self,
@@ -159,10 +183,24 @@ class _ClampUnsharded:
                 self.handles.add(param.register_hook(_ClampHook(self.clamper)))
 
 
+class _AtBackwardEnd:
+    """Tensor hook on a loss: once the backward pass it starts has computed every gradient, clamp ``params``'."""
+
+    def __init__(self, clamper: GradClamper, params: Sequence[nn.Parameter]) -> None:
+        self.clamper, self.params = clamper, params
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.clamp)
+
+    def clamp(self) -> None:
+        self.clamper.clamp_grads(self.params)
+
+
 class _ClampHook:
     def __init__(self, clamper: GradClamper) -> None:
         self.clamper = clamper
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         clamper = self.clamper
-        return clamp_true_gradient(grad, clamper.value, loss_scale(clamper.scaler), clamper.count)
+        scale = None if clamper.scaler is None else loss_scale(clamper.scaler)  # no call per gradient without AMP
+        return clamp_true_gradient(grad, clamper.value, scale, clamper.count)
