@@ -29,10 +29,6 @@ EVERY = 5
 STEPS = 12
 QUIET = [s for s in range(STEPS) if s % EVERY]
 
-HEALTH_READS_ON_CPU = pytest.mark.xfail(
-    reason="callbacks/health_monitor.py:440 reads each quiet step's loss on a CPU (`_GradRing.gated`) to decide "
-    "whether to take gradient norms; remove this mark once it no longer does",
-)
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
 
@@ -134,14 +130,8 @@ def test_lightning_alone_reads_nothing_on_a_quiet_step(tmp_path: Path, device: s
     assert quiet_reads(tmp_path, [], device) == []
 
 
-@pytest.mark.parametrize(
-    ("name", "device"),
-    [
-        pytest.param(name, device.values[0], marks=[*device.marks, *(marks if name == "HealthMonitor" else ())])
-        for name in CALLBACKS
-        for device, marks in zip(devices(), [(HEALTH_READS_ON_CPU,), ()], strict=True)
-    ],
-)
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("name", CALLBACKS)
 def test_a_callback_reads_nothing_on_a_quiet_step(tmp_path: Path, name: str, device: str) -> None:
     assert quiet_reads(tmp_path, [CALLBACKS[name]()], device) == []
 
@@ -153,22 +143,13 @@ def test_nonfinite_guard_reads_its_one_flag_per_optimizer_step(tmp_path: Path, d
     assert len(set(reads)) == 1, reads  # one place: the flag
 
 
-def known_health_reads(reads: list[str], device: str) -> list[str]:
-    """``reads`` less HealthMonitor's own on a CPU (see ``HEALTH_READS_ON_CPU``), which must still be there."""
-    if device != "cpu":
-        return reads
-    health = [r for r in reads if r.startswith("callbacks/health_monitor.py:")]
-    assert health, "HealthMonitor no longer reads on a quiet CPU step: drop this exception and HEALTH_READS_ON_CPU"
-    return [r for r in reads if r not in health]
-
-
 @pytest.mark.parametrize("device", devices())
 def test_all_six_read_only_the_guards_flag(tmp_path: Path, device: str) -> None:
-    reads = known_health_reads(quiet_reads(tmp_path, all_six(), device), device)
+    reads = quiet_reads(tmp_path, all_six(), device)
     assert reads == quiet_reads(tmp_path / "guard", [NonFiniteGuard()], device)
     assert len(reads) <= len(QUIET)
     without_guard = [c for c in all_six() if not isinstance(c, NonFiniteGuard)]
-    assert known_health_reads(quiet_reads(tmp_path / "without", without_guard, device), device) == []
+    assert quiet_reads(tmp_path / "without", without_guard, device) == []
 
 
 def test_the_meter_sees_a_read(tmp_path: Path) -> None:
