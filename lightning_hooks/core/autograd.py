@@ -6,13 +6,8 @@ import torch
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread.
-
-    Activation checkpointing re-runs ``forward`` (and so forward hooks) during backward;
-    ``torch.is_grad_enabled()`` cannot tell that recompute apart, the graph task id can. While
-    dynamo traces a forward the answer is ``False``: the graph task id cannot be traced, and a
-    compiled forward is not re-run by autograd.
-    """
+    """Whether autograd is running a backward pass on this thread (activation checkpointing re-running
+    ``forward``); ``False`` while dynamo traces."""
     if torch.compiler.is_compiling():
         return False
     return bool(torch._C._current_graph_task_id() != -1)
@@ -23,12 +18,8 @@ graph_task_id = torch._C._current_graph_task_id
 
 
 def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
-    """The current scale of an enabled ``GradScaler`` as the tensor on device (``None`` without one).
-
-    Gradients produced in backward carry this factor until the scaler unscales them; dividing or
-    bounding by the tensor needs no host synchronisation. ``None`` too before the scaler's first
-    ``scale()`` call, when no gradient can carry a scale yet.
-    """
+    """The current scale of an enabled ``GradScaler`` as the tensor on device, which gradients carry until the
+    scaler unscales them; ``None`` without one or before its first ``scale()`` call."""
     if scaler is None or not scaler.is_enabled():
         return None
     scale: torch.Tensor | None = getattr(scaler, "_scale", None)

@@ -1,23 +1,10 @@
-"""Observing hooks inside ``torch.compile``'d regions: registered once, switched by a flag (pure torch).
+"""Observing hooks inside ``torch.compile``'d regions: registered once per fit, switched by a flag (pure torch).
 
-Compiled code does not see hooks that come and go: dynamo traces the hooks present when it
-compiles a region and, by default, does not guard on them. So inside a compiled region the
-observing hooks are not attached per logging step as in eager mode; they are registered once,
-before the region's first compiled call of the fit, and each is a :class:`Switched` hook that
-runs its body only while its region's :class:`Switch` is on. Dynamo inlines the hook, guards on
-the flag and so keeps two variants of the region's graph: the quiet one, in which the hook does
-nothing, and the logging one, in which the statistics are computed inside the graph and come out
-as its outputs (a :class:`Pending` list, poured into the callback's ``StatBatch`` after the step).
-
-A region that already ran compiled (a warm-up forward, an earlier fit) has graphs cached
-without the hooks. For the duration of a fit the region is therefore entered through a fresh
-function with a code object of its own (:meth:`Region.enter`): dynamo compiles it anew, with the
-hooks, and when the last user leaves, the region gets its own entry point back, with its own
-cache: it runs exactly as before, and the graphs that hold the hooks go with the fresh code.
-
-Regions are ``torch.compile(module)`` wrappers (``OptimizedModule``) anywhere in the model, and a
-LightningModule compiled whole (``trainer.fit(torch.compile(model))``, which Lightning unwraps
-into a module whose ``forward`` and step methods are compiled).
+Each hook is :class:`Switched`: it runs only while its region's :class:`Switch` is on, so dynamo
+keeps a quiet graph and a logging one whose statistics come out in a :class:`Pending`. During a
+fit a region is called through a fresh entry point (:meth:`Region.enter`), compiled anew with the
+hooks; the last :meth:`Region.leave` restores the original and its cache. Regions are
+``torch.compile(module)`` wrappers and a LightningModule passed to ``fit`` as ``torch.compile(model)``.
 """
 
 from __future__ import annotations
@@ -39,11 +26,7 @@ _STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "pr
 
 
 class Switch:
-    """One flag per compiled region, on while any of its voters records the step.
-
-    ``on`` is a plain attribute: dynamo guards on its value, so a region has one graph with the
-    hooks quiet and one with them recording.
-    """
+    """One flag per compiled region, on while any of its voters records the step (dynamo guards on ``on``)."""
 
     def __init__(self) -> None:
         self.on = False
@@ -77,10 +60,8 @@ class Switched:
 class Pending:
     """States computed inside compiled graphs (:func:`state_row`), waiting for the step to end.
 
-    Its :meth:`add` has :meth:`StatBatch.add`'s signature, so a recorder's hook writes to either.
-    Traced code only appends to ``rows`` and ``fired``, lists that the region empties after each of
-    its calls (:meth:`settle`): every call starts from the same state, so the guards dynamo puts on
-    them hold and nothing recompiles however often the region runs in a step.
+    :meth:`add` has :meth:`StatBatch.add`'s signature. Traced code only appends to ``rows`` and
+    ``fired``, which the region empties after each call (:meth:`settle`), so nothing recompiles.
     """
 
     def __init__(self) -> None:
@@ -132,10 +113,9 @@ class _Entry:
 class Region:
     """One compiled part of a model and the switch of the hooks inside it.
 
-    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module
-    whose code is compiled (the same LightningModule, or the wrapper's ``_orig_mod``); both are
-    held weakly. While at least one user has :meth:`enter`-ed, the region is called through a
-    fresh entry point (see the module's docstring); the last :meth:`leave` puts the original back.
+    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module whose
+    code is compiled; both held weakly. From the first :meth:`enter` to the last :meth:`leave` the
+    region is called through a fresh entry point.
     """
 
     def __init__(self, owner: nn.Module, module: nn.Module) -> None:
@@ -250,9 +230,6 @@ class Regions:
         for region in self.entered:
             region.switch.vote(voter, on)
 
-    def __bool__(self) -> bool:
-        return bool(self.entered)
-
 
 def _fresh_call(module: nn.Module) -> types.FunctionType:
     def compiled_region(*args: Any, **kwargs: Any) -> Any:
@@ -282,12 +259,8 @@ _EAGER_STANCE: list[Any] = []
 
 
 def run_eager(voter: object, on: bool) -> None:
-    """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``).
-
-    For steps that need hooks to fire in the Python they attach to (a shape table, a checked
-    step): compiled graphs are neither used nor changed meanwhile, and the stance in force before
-    the first vote comes back with the last.
-    """
+    """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``);
+    the stance in force before the first vote comes back with the last."""
     if on:
         _EAGER_VOTERS.add(id(voter))
     else:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 
 class StepGate:
-    """Opens on a due optimizer step and stays open through all of its micro-batches.
-
-    A callback asks at the start of each training batch (:meth:`begin`) and at its end
-    (:meth:`end`); the gate closes once the optimizer has stepped, so the micro-batches of an
-    accumulated step are all recorded, and hands back the step that was recorded.
+    """Opens on a due optimizer step (:meth:`begin`) and closes once the optimizer has stepped (:meth:`end`),
+    handing back the recorded step.
 
     Example::
 

@@ -14,9 +14,7 @@ from torch.utils.hooks import RemovableHandle
 class HookHandles:
     """Owns hook handles so that one call removes all of them.
 
-    ``remove()`` is idempotent and leaves the owner empty, so it can be called from every exit
-    path of a run (success, exception, teardown) without bookkeeping. Used as a context manager
-    it removes everything on exit, whatever happened inside.
+    ``remove()`` is idempotent and leaves the owner empty; as a context manager it removes everything on exit.
 
     Example::
 
@@ -50,8 +48,7 @@ class HookHandles:
     def add_forward_pre_hooks(
         self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], with_kwargs: bool = False
     ) -> None:
-        """Register each ``(module, hook)`` with ``module.register_forward_pre_hook(hook, with_kwargs=...)``, as an
-        :class:`Observer`."""
+        """:meth:`add_forward_hooks` with ``register_forward_pre_hook(hook, with_kwargs=...)``."""
         for module, hook in hooks:
             self.add(module.register_forward_pre_hook(Observer(hook), with_kwargs=with_kwargs))
 
@@ -73,8 +70,7 @@ class HookHandles:
         self.remove()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Handles point at hook dicts of live modules through weak references; a copy of the
-        # owner that travels to another process (ddp_spawn, checkpoint) must not carry them.
+        # A copy sent to another process (ddp_spawn, checkpoint) carries no handle of a live module.
         return {"_handles": []}
 
 

@@ -1,10 +1,7 @@
 """Module selection shared by every callback: ``include``, ``exclude``, ``types``, ``max_depth``.
 
-Names are qualified names relative to the model passed in (``""`` is the model itself). Wrappers
-added by ``torch.compile``, FSDP1 and activation checkpointing are looked through:
-``encoder._orig_mod.layer`` is reported as ``encoder.layer``, and the class that FSDP2's
-``fully_shard`` makes of a ``Linear`` (``FSDPLinear``) as ``Linear``. ``torchmetrics`` metrics,
-which are modules but not part of the computation, are never selected.
+Names are qualified names relative to the model (``""`` is the model itself), with the wrappers of
+``torch.compile``, FSDP and activation checkpointing looked through; ``torchmetrics`` metrics are never selected.
 """
 
 from __future__ import annotations
@@ -168,13 +165,8 @@ def depth(name: str) -> int:
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` with wrappers looked through and metrics left out.
-
-    A wrapper (``torch.compile``'s ``OptimizedModule``, FSDP1's ``FullyShardedDataParallel``, an
-    activation-checkpointing ``CheckpointWrapper``) is not yielded itself; the module it wraps is
-    yielded under the wrapper's name, so that ``self.encoder = torch.compile(encoder)`` keeps the
-    name ``encoder`` and its children keep ``encoder.<child>``.
-    """
+    """``model.named_modules()`` with metrics left out and each wrapper (``torch.compile``, FSDP1, activation
+    checkpointing) replaced by the module it wraps, under the wrapper's name."""
     metrics: list[str] = []
     for name, module in model.named_modules():
         if any(name == m or name.startswith(m + ".") for m in metrics):

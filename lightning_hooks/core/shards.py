@@ -1,10 +1,6 @@
-"""Sharded tensors (``DTensor``, what FSDP2's ``fully_shard`` makes of parameters) seen shard by shard (pure torch).
+"""Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters) seen shard by shard (pure torch).
 
-A statistic of a sharded tensor is built from each process's local shard and pooled across
-processes with the two reductions of :mod:`lightning_hooks.stats.batch` (``+`` and ``max``), so that no
-tensor is ever gathered. A shard replicated over some mesh dimension is held by several
-processes; only the one at coordinate 0 of each such dimension counts it, so that pooling adds
-every element exactly once.
+Statistics are pooled over processes, never gathered; a replicated shard counts only at mesh coordinate 0.
 """
 
 from __future__ import annotations

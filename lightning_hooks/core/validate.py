@@ -1,6 +1,5 @@
 """Argument checks shared by every callback, each message in one voice (pure Python).
 
-A message names the callback, the argument in backticks, what was received and what is allowed:
 "`GradClamp` got `value=-1.0`; `value` must be a positive finite number."
 """
 
