@@ -18,10 +18,8 @@ from lightning_hooks.stats.batch import OutputKeys, StatBatch
 class ActivationRecorder:
     """Observe every floating-point tensor each hooked module returns, into ``batch`` under ``("act", <layer>)``.
 
-    Nested outputs are observed per tensor (``<layer>.out.<path>``); a module called several times
-    pools its calls under one key. ``fired`` (a set of the caller's, or a new one) collects the
-    names of the modules whose hook ran. The forward that activation checkpointing re-runs in
-    backward is not counted.
+    Nested outputs are observed per tensor (``<layer>.out.<path>``); a module's calls pool under one key.
+    ``fired`` collects the names of the modules whose hook ran. Checkpointing's recompute is not counted.
 
     Example::
 
@@ -88,19 +86,14 @@ class UnitRecorder:
     """Per output unit of each parameter-free hooked module, the sum of squares of its values; and each other
     hooked module's output's sum of squares.
 
-    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, and
-    ``(N, C, L)`` out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``,
-    ``(N, T, F)``). Each floating-point output becomes one vector under ``("units", <layer>[.out.<path>])``:
-    the sum of squares of each unit (the keys in :attr:`per_unit`) for a module without parameters of
-    its own (activations, pooling, flatten, dropout) and outputs of at least two dimensions, ``[sum of
-    squares]`` for the others (a layer with weights outputs exact zeros for a whole batch only where its
-    weights are zero, e.g. a zero-initialised norm gain: not a dead activation),
-    pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes. A unit whose sum stays
-    zero was zero for every sample of the batch (or all of its values were below about ``1e-22`` in
-    magnitude, whose squares are zero in float32); the vector's total is the output's sum of squares, which
-    gives its RMS and is not finite when a value is NaN or Inf. One reduction per output: the squares
-    summed over every dimension but the units'. ``samples`` counts, on the host, how many values each unit
-    of a key saw in this process since :meth:`start` (every value, for a key without units).
+    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, ``(N, C, L)``
+    out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``).
+    Each floating-point output becomes one vector under ``("units", <layer>[.out.<path>])``: a sum per
+    unit (keys in :attr:`per_unit`) for modules without parameters of their own and outputs of at least
+    two dimensions, ``[sum of squares]`` otherwise, pooled by ``+`` over calls, micro-batches and
+    (fetched ``across``) processes. A unit summing to zero was zero for every sample; the total is the
+    output's sum of squares. ``samples`` counts how many values each unit of a key saw in this process
+    since :meth:`start`.
 
     Example::
 
@@ -156,7 +149,6 @@ class _UnitHook:
             x = tensor.detach()
             key = recorder.keys.key(self.name, path)
             squares = (x.float() if x.dtype in _WIDENED else x).square()
-            # A sum over every dimension but the units' costs a fifth of count_nonzero over them (callgrind).
             if self.units and x.dim() >= 2:
                 dim = unit_dim(x, self.channels_first)
                 recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))

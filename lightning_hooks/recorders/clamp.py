@@ -24,10 +24,9 @@ class ClampCount:
         self.active, self.clamped, self.seen = False, [], 0
 
     def fraction(self, pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
-        """The clamped share of the elements seen (one host transfer), ``None`` if none were; resets the count.
+        """The clamped share of the elements seen, ``None`` if none were; resets the count.
 
-        ``pool`` sums a tensor over processes (one collective) when each saw its own shard of the
-        gradients; every process must then call this, whatever it saw.
+        ``pool`` sums a tensor over processes when each saw its own shard; every process must then call this.
         """
         clamped, seen = self.clamped, self.seen
         self.reset()
@@ -44,10 +43,8 @@ def clamp_true_gradient(
 ) -> torch.Tensor:
     """``grad`` clamped to ``[-value, value]`` in true units, ``grad`` carrying the loss ``scale`` (or none).
 
-    With a scale the bound is ``value * scale``, computed on device (no host sync), and non-finite
-    values are left as they are so that the ``GradScaler`` still sees the overflow and skips the step.
-    A sparse (COO) gradient has its stored values clamped; counted, it has as many elements as its
-    dense form, the others being zeros.
+    With a scale the bound is ``value * scale`` and non-finite values are left as they are, so that the
+    ``GradScaler`` still skips the step. A sparse (COO) gradient has its stored values clamped.
     """
     if grad.layout == torch.sparse_coo:  # an embedding's with `sparse=True`
         grad = grad.coalesce()
@@ -71,11 +68,9 @@ def clamp_true_gradient(
 class GradClamper:
     """Clamp parameter gradients, in backward (:meth:`attach`) or once accumulated (:meth:`clamp_accumulated`).
 
-    In backward a tensor hook on each parameter replaces the gradient autograd is about to
-    accumulate into ``.grad`` with its clamped copy, bounded by ``value`` times the current scale
-    of ``scaler`` when one is scaling the loss; or, for one backward pass whose gradients land in
-    empty ``.grad`` (:meth:`attach_backward`), all of them are clamped at once as the pass ends.
-    ``count`` counts clamped elements while active.
+    In backward a tensor hook on each parameter clamps the gradient autograd is about to accumulate,
+    bounded by ``value`` times the scale of ``scaler`` when one is scaling the loss. ``count`` counts
+    clamped elements while active.
 
     Example::
 
@@ -100,13 +95,9 @@ class GradClamper:
     def attach_backward(self, loss: torch.Tensor, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
         """Clamp the gradients that the coming backward pass of ``loss`` gives ``params``, in that pass only.
 
-        When none of ``params`` holds a gradient yet (Lightning empties ``.grad`` before each step),
-        a hook on ``loss`` has every ``.grad`` clamped in place once that backward pass ends, before
-        it returns (the autograd engine's final callback): the numbers a hook per parameter gives,
-        as each gradient then lands in an empty ``.grad``, in two ``torch._foreach`` operators
-        instead of a Python call per parameter. Otherwise each parameter gets its hook (:meth:`attach`),
-        so that only the new gradient is clamped, not what ``.grad`` held. Without a scaler only
-        (under one, see :meth:`attach`). Remove ``handles`` once the pass is over.
+        When no ``.grad`` of ``params`` is set yet, every ``.grad`` is clamped in place as that pass
+        ends, before it returns; otherwise each parameter gets its hook (:meth:`attach`). Without a
+        scaler only. Remove ``handles`` once the pass is over.
         """
         if not loss.requires_grad:
             return
@@ -128,12 +119,9 @@ class GradClamper:
     ) -> None:
         """Clamp, in backward, the unsharded gradient of those sharded ``params`` (FSDP2) that ``modules`` own.
 
-        FSDP2 gives a module its unsharded parameters for its forward and reduce-scatters their
-        gradients once backward has computed them: a forward pre-hook on each module (in
-        ``handles``) puts the clamp on the unsharded parameters it finds there, once per step, so
-        that each backward's gradient is clamped before it is accumulated and reduce-scattered.
-        Those tensor hooks go into ``step_handles``; remove them and clear :attr:`unsharded` at
-        the end of each step.
+        A forward pre-hook on each module (in ``handles``) puts the clamp on the unsharded parameters,
+        before FSDP2 reduce-scatters their gradients; those tensor hooks go into ``step_handles``:
+        remove them and clear :attr:`unsharded` at the end of each step.
         """
         wanted = {id(p) for p in params}
         for _, module in modules:
@@ -144,15 +132,13 @@ class GradClamper:
     def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
         """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now).
 
-        A sharded gradient (``DTensor``) is clamped shard by shard, which is exact as the clamp is
-        elementwise; the count is then this process's, for :meth:`ClampCount.fraction` to pool.
+        A sharded gradient is clamped shard by shard; the count is then this process's, to pool.
         """
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._clamp_in_place([local(p.grad) for p in params if p.grad is not None and id(p) in in_optimizer])
 
     def _clamp_in_place(self, grads: list[torch.Tensor]) -> None:
-        """Clamp ``grads`` in place, the dense ones with ``torch._foreach_clamp_min_`` and ``_max_``; count the
-        clamped elements while :attr:`count` is active."""
+        """Clamp ``grads`` in place, counting the clamped elements while :attr:`count` is active."""
         value, count = self.value, self.count
         sparse = [grad for grad in grads if grad.layout != torch.strided]
         dense = [grad for grad in grads if grad.layout == torch.strided]

@@ -23,11 +23,9 @@ from lightning_hooks.stats.state import State
 class OutputGradRecorder:
     """Observe the gradient with respect to each output of the hooked modules, under ``("out", <layer>)``.
 
-    A forward hook puts a tensor hook on every output that will receive a gradient; unlike
-    ``register_full_backward_hook`` this works when the output is modified in place afterwards
-    (``ReLU(inplace=True)`` after a convolution). Under an enabled ``GradScaler`` the gradient is
-    divided by the current scale on device, so the figures are those of the true gradient.
-    ``fired`` (a set of the caller's, or a new one) collects the names of the modules whose forward hook ran.
+    A forward hook has each output's gradient read in backward, also when the output is modified in
+    place afterwards (``ReLU(inplace=True)``). Under an enabled ``GradScaler`` the gradient is divided
+    by the current scale. ``fired`` collects the names of the modules whose forward hook ran.
 
     Example::
 
@@ -59,11 +57,8 @@ class OutputGradRecorder:
     ) -> None:
         """Hook modules inside compiled regions for a whole fit (see :mod:`lightning_hooks.core.compiled`).
 
-        A tensor hook registered in a traced forward would break the graph; instead, while the
-        region's switch is on, the forward hook passes each output through ``grad_probe``, a
-        custom operator that is the identity forward and hands the gradient to this recorder in
-        backward. The compiled graphs keep no graph break; a bare tensor and a flat tuple, list
-        or dict of outputs are probed (deeper nested outputs are not, under compile).
+        While the region's switch is on, each output of a bare tensor or a flat tuple, list or dict
+        passes through ``grad_probe``, an identity operator whose backward hands the gradient here.
         """
         for name, module, region in modules:
             region.settles(pending)
@@ -105,7 +100,7 @@ def _read_grad(output: torch.Tensor, reader: _GradReader) -> None:
     node = output.grad_fn
     if node is None:  # a leaf returned as it is (a parameter)
         output.register_hook(reader)
-    else:  # the node that made the output, given its gradient: a third cheaper than a tensor hook
+    else:  # a pre-hook of the node that made the output
         node.register_prehook(_OutputOf(reader, output.output_nr))
 
 
@@ -120,12 +115,8 @@ class _GradReader:
 
 
 class _OutputOf:
-    """A pre-hook of the autograd node that made an output: hands that output's gradient to ``reader``.
-
-    The gradient is the one a tensor hook on the output registered at the same moment would get,
-    also when the output is modified in place later (the node is the one that made it); ``None``
-    when the node runs for its other outputs only.
-    """
+    """A pre-hook of the autograd node that made an output: hands that output's gradient (what a tensor hook
+    on it would get) to ``reader``, if the node received one."""
 
     def __init__(self, reader: _GradReader, index: int) -> None:
         self.reader, self.index = reader, index
@@ -226,17 +217,13 @@ class _OutputGradProbe:
 class ParamGradRecorder:
     """Observe parameter gradients under ``("param", <name>)`` and update ratios under ``("ratio", <name>)``.
 
-    :meth:`record` is called where the optimizer is about to step, with gradients final (after
-    accumulation, unscaling and any all-reduce). Each parameter is read once per recorded step
-    (:meth:`start` begins one), and only if ``optimizer`` holds it: with several optimizers each
-    reads its own. With ``update_ratio``, a copy of each read parameter is kept until the
-    optimizer's step post-hook turns it into ``||w_after - w_before|| / ||w_before||``.
+    :meth:`record` is called where the optimizer is about to step, with gradients final. Each
+    parameter is read once per recorded step (:meth:`start`), and only if ``optimizer`` holds it.
+    With ``update_ratio`` the optimizer's step post-hook logs ``||w_after - w_before|| / ||w_before||``.
 
-    A sharded parameter (a ``DTensor``, FSDP2) is observed through this process's shard only, so
-    its states must be pooled across processes (``StatBatch.fetch`` with the groups ``param``,
-    ``update`` and ``weight``): its update ratio is then observed as the change under
-    ``("update", <name>)`` and the weight before it under ``("weight", <name>)``, which
-    :func:`update_ratio` turns into the ratio once pooled.
+    A sharded parameter (FSDP2) is observed through this process's shard, to be pooled across
+    processes (groups ``param``, ``update``, ``weight``): its change goes under ``("update", <name>)``
+    and its weight before under ``("weight", <name>)``, for :func:`update_ratio`.
 
     Example::
 
@@ -295,11 +282,8 @@ class ParamGradRecorder:
 
 
 class _UpdateRatio:
-    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given.
-
-    A sharded parameter (FSDP2) keeps its shard: its change and weight go into the batch as states under
-    ``("update", <name>)`` and ``("weight", <name>)``, to be pooled across processes.
-    """
+    """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given
+    (a sharded one's change and weight as states, see :class:`ParamGradRecorder`)."""
 
     def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
         self.batch, self.weight_norms = batch, weight_norms
@@ -334,12 +318,8 @@ def update_ratio(update: State, weight: State) -> float:
 
 
 def gradient_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[‖g‖₁ of each of grads, ‖g‖₂² of each]`` in two fused calls, float32, on the gradients' device.
-
-    Two ``torch._foreach_norm`` calls whatever the number of tensors (one kernel each on CUDA, a
-    loop in C++ on CPU): what a caller that needs each gradient's magnitude, size and finiteness
-    pays instead of :func:`~lightning_hooks.stats.batch.observe_many`'s six statistics. A NaN or Inf
-    gradient makes both of its norms non-finite.
+    """``[‖g‖₁ of each of grads, ‖g‖₂² of each]``, float32, on the gradients' device; a NaN or Inf gradient
+    makes both of its norms non-finite.
 
     Example::
 

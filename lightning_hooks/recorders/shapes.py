@@ -30,11 +30,7 @@ class ShapeRow:
 
 @dataclass
 class ShapeRecorder:
-    """Collects a :class:`ShapeRow` per module call while ``active``; holds no tensor.
-
-    Rows are in the order calls start, so a container comes before its children and a module
-    called twice gets two rows.
-    """
+    """Collects a :class:`ShapeRow` per module call while ``active``, in the order calls start; holds no tensor."""
 
     active: bool = False
     rows: list[ShapeRow] = field(default_factory=list)
@@ -96,9 +92,7 @@ class _ShapeHook:
 
 
 def trace_shapes(model: nn.Module, *args: Any, selector: ModuleSelector | None = None, **kwargs: Any) -> list[ShapeRow]:
-    """Run ``model(*args, **kwargs)`` once and return a row per module call.
-
-    No hook outlives the call, whether it returns or raises.
+    """Run ``model(*args, **kwargs)`` once and return a row per module call; no hook outlives the call.
 
     Example::
 
@@ -152,12 +146,8 @@ class _Run:
 
 
 def _run(rows: list[ShapeRow], start: int) -> _Run | None:
-    """The run of at least :data:`MIN_REPEATS` identical sibling blocks whose first call is ``rows[start]``.
-
-    Siblings are modules whose names differ only in a last component that counts up by one
-    (``encoder.layer.0``, ``encoder.layer.1``, …: the children of an ``nn.ModuleList`` or
-    ``nn.Sequential``), tried from the outermost such component of the row's name inwards.
-    """
+    """The run of at least :data:`MIN_REPEATS` identical sibling blocks (``layer.0``, ``layer.1``, …) whose
+    first call is ``rows[start]``, tried from the outermost numbered component of its name inwards."""
     parts = rows[start].name.split(".")
     for depth, part in enumerate(parts):
         if not part.isdigit():
@@ -179,10 +169,8 @@ def _run(rows: list[ShapeRow], start: int) -> _Run | None:
 def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
     """``(shown name, row, repeats)`` per line of a table: runs of identical sibling blocks once.
 
-    A run of at least :data:`MIN_REPEATS` consecutive sibling blocks whose calls have the same
-    names below the block, classes, parameter counts and shapes is shown as its first block, named
-    with the range of indices (``encoder.layer.0–23``); its first line carries the number of blocks.
-    Runs inside a collapsed block collapse too. Every other row is shown as it is, with 1.
+    A run of at least :data:`MIN_REPEATS` sibling blocks with the same calls below them is shown as
+    its first block, named with the range of indices (``encoder.layer.0–23``) and counted on its first line.
 
     Example::
 
