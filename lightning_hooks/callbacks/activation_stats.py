@@ -22,20 +22,12 @@ class ActivationStats(StatsCallback):
     """Log statistics of every selected module's outputs every ``log_every_n_steps`` optimizer steps.
 
     On a logging step, a forward hook on each selected module reduces every floating-point tensor
-    of its output (nested outputs too) to a few numbers on the device; all of them reach the host
-    in one transfer after the optimizer step and are logged at that step. Under DDP each rank
-    sees its own shard of the batch: the figures are pooled across ranks (sums and maxima of the
-    moments, one collective each) so that rank zero logs those of the whole global batch;
-    histograms are rank zero's own. A module called several
-    times, and all micro-batches of an accumulated step, are pooled into one figure. On other
-    steps no hook is attached. Validation, sanity check and the forward that activation
-    checkpointing re-runs in backward are never counted.
-
-    Modules inside a ``torch.compile``'d region (``self.encoder = torch.compile(encoder)``, or
-    ``trainer.fit(torch.compile(model))``) are hooked once for the whole fit instead, each hook
-    switched by one flag per region: dynamo compiles two graphs of the region (quiet and logging)
-    and breaks neither; the statistics are computed inside the logging graph. No dynamo setting
-    is needed, and the region is as before once the fit ends (README, "torch.compile").
+    of its output (nested outputs too) on the device; they are logged at the step once the optimizer
+    has stepped. Under DDP the figures are pooled across ranks, those of the global batch; histograms
+    are rank zero's own. A module's calls and all micro-batches of a step pool into one figure. On
+    other steps no hook is attached. Validation, sanity check and activation checkpointing's
+    recompute are never counted. Inside a ``torch.compile``'d region the hooks stay for the fit,
+    switched by a flag (README, "torch.compile").
 
     Tags (``<layer>`` is the qualified module name, ``root`` for the LightningModule, followed by
     ``.out.<path>`` for a tensor inside a nested output such as ``lstm.out.0``):
@@ -60,8 +52,7 @@ class ActivationStats(StatsCallback):
             in call order) on logging steps that are multiples of this. ``None``: every 10 logging
             periods, skipping figures that would make drawing them take over 1 % of the fit's time
             (the last skipped one is drawn when training ends). Needs matplotlib (the ``plots`` extra).
-        figures: ``False`` draws no figure at all, so matplotlib is never loaded (it adds about
-            50 MB to the process the first time a figure is drawn); everything else is logged.
+        figures: ``False`` draws no figure at all, so matplotlib is never loaded; everything else is logged.
 
     Example::
 

@@ -35,10 +35,8 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 
 
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:
-    """Refuse FSDP1 (``FSDPStrategy``), under which ``what`` cannot be correct: it flattens parameters
-    into sharded flat buffers, so a parameter's tensor hooks do not fire and the gradient of an
-    original parameter is a view of a flat shard. FSDP2 (``ModelParallelStrategy`` with
-    ``fully_shard``) keeps each parameter a ``DTensor``, which the callbacks read shard by shard."""
+    """Raise ``MisconfigurationException`` under FSDP1 (``FSDPStrategy``), whose flat parameters ``what`` cannot
+    hook; the message suggests ``fix``."""
     from lightning.pytorch.strategies import FSDPStrategy
 
     if isinstance(strategy, FSDPStrategy):
@@ -51,8 +49,7 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
 
 
 def refuse_tensor_parallel(strategy: object, owner: str) -> None:
-    """Refuse ``ModelParallelStrategy`` with a tensor-parallel dimension: callbacks pool over every
-    process, which would count the values each tensor-parallel rank replicates several times."""
+    """Raise ``MisconfigurationException`` under ``ModelParallelStrategy`` with tensor parallelism."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if isinstance(strategy, ModelParallelStrategy):
@@ -75,8 +72,7 @@ def report_silent_modules(
     trainer: pl.Trainer, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
 ) -> None:
     """Warn, once per fit and set of names whichever callback finds them, about selected
-    modules whose hooks did not fire during a recorded training step."""
-    # A container without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``) is never called.
+    modules whose hooks did not fire during a recorded training step (containers without a forward excepted)."""
     silent = tuple(name for name, m in selected if name not in fired and type(m).forward is not nn.Module.forward)
     reported = _SILENT_REPORTED.setdefault(trainer, set())
     if not silent or silent in reported:
@@ -101,14 +97,10 @@ def report_silent_modules(
 
 
 class HookCallback(Callback):
-    """Base of the callbacks: hooks attach in ``on_fit_start`` and leave on every exit path.
+    """Base of the callbacks: modules are selected in ``on_fit_start``, hooks leave on every exit path.
 
-    Modules are selected once per fit in ``on_fit_start`` and kept in ``self._modules``.
-    Subclasses implement :meth:`_attach`; hooks that must run on every step (a gradient clamp)
-    are registered there with ``self._handles``. Hooks that only observe are registered with
-    ``self._step_handles`` at the start of the steps that need them and removed at their end,
-    so that on every other step each module takes ``nn.Module.__call__``'s hook-free fast path.
-    Both owners are emptied on every exit path of a fit: success, exception, interrupt, teardown.
+    Subclasses implement :meth:`_attach`, registering hooks for the whole fit with ``self._handles``;
+    observing hooks go into ``self._step_handles`` for the steps that need them and leave at their end.
     """
 
     def __init__(
@@ -151,13 +143,9 @@ class HookCallback(Callback):
         return self.due_step(trainer) is not None
 
     def due_step(self, trainer: pl.Trainer) -> int | None:
-        """The optimizer step if this is a logging step (see :meth:`is_logging_step`), else ``None``.
+        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`.
 
-        Called from the training-batch hooks on every batch while the gate is closed: it reads
-        ``trainer.global_step`` (a chain of properties in Lightning's loops) once, keeps it in
-        :attr:`batch_step`, and nothing else is read on a quiet batch (``trainer.training`` alone,
-        an enum comparison through lower-cased strings, costs three times as much: those hooks run
-        only in training anyway).
+        Called from the training-batch hooks only, so it does not check ``trainer.training``.
         """
         step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
@@ -184,7 +172,6 @@ class HookCallback(Callback):
     @override
     def state_key(self) -> str:
         # Two instances of one callback with different selections keep separate checkpoint state.
-        # Lightning reads this for every hook call (to name it for its profiler): build it once.
         return self._state_key
 
     @override
@@ -216,15 +203,11 @@ class HookCallback(Callback):
 class StatsCallback(HookCallback):
     """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
 
-    Two regimes, chosen per module. Outside compiled code, ``_arm_step`` attaches the observing
-    recorders to ``self._eager_modules`` at the start of each training batch of a logging step
-    (their hooks go at its end): eager modules pay nothing on other steps. Modules inside a
-    ``torch.compile``'d region get their hooks once per fit from ``_attach_compiled``, switched
-    on by the region's flag for the batches of logging steps; what they compute inside the graph
-    waits in ``self._pending`` and is poured into the batch when each batch ends (see
-    :mod:`lightning_hooks.core.compiled`). ``_emit`` fetches and logs once the optimizer has
-    stepped. The states it logs also feed the TensorBoard custom-scalars layout of the run and,
-    every ``figure_every_n_steps``, a figure (see :class:`~lightning_hooks.callbacks.dashboard.Dashboard`).
+    ``_arm_step`` attaches the recorders to ``self._eager_modules`` for each training batch of a
+    logging step; modules inside a ``torch.compile``'d region get switched hooks for the whole fit
+    from ``_attach_compiled``, which leave their states in ``self._pending``. ``_emit`` fetches and
+    logs once the optimizer has stepped; the :class:`~lightning_hooks.callbacks.dashboard.Dashboard`
+    adds the layout and the figures.
     """
 
     bins = 64
@@ -355,11 +338,7 @@ class StatsCallback(HookCallback):
             self._dashboard.finish(trainer)
 
     def _across(self, trainer: pl.Trainer, groups: set[str]) -> Across | None:
-        """How to make the states of ``groups`` global when every rank saw its own shard of the batch.
-
-        One object all-gather to agree on the keys (data-dependent paths can differ between ranks),
-        then one sum and one max all-reduce, on logging steps only. Every rank must fetch with it.
-        """
+        """How to pool the states of ``groups`` over ranks (``None`` in one process); every rank must fetch with it."""
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
         strategy = trainer.strategy

@@ -48,19 +48,13 @@ FIGURE_TIME_SHARE = 0.01
 class Dashboard:
     """The custom-scalars layout and the figures of one statistics callback.
 
-    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at
-    the end of every training batch. On a step that logged, ``publish`` has the sink write the
-    run's layout when new tags appeared, and, when the step is a multiple of the figure period,
-    draws the figures of the states (rank zero only, for the loggers that show images:
-    TensorBoard, W&B, MLflow; without one it warns once if ``figure_every_n_steps`` was given,
-    and is silent for the default). Without
-    matplotlib it warns once and draws nothing; training goes on.
+    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at the
+    end of every training batch, which writes the layout when new tags appeared and, on multiples of
+    the figure period, draws the figures (rank zero, for loggers that show images). Without such a
+    logger it warns once if ``figure_every_n_steps`` was given; without matplotlib it warns once.
 
-    A figure costs a tenth of a second or more of matplotlib, which on a small model is the time
-    of dozens of training steps. So with the default period a figure is skipped while the time
-    since the last one is under ``1 / FIGURE_TIME_SHARE - 1`` times what that one took to draw;
-    the last skipped one is drawn by :meth:`finish` at the end of training, so the dashboard
-    always shows the final state. An explicit ``figure_every_n_steps`` is followed exactly.
+    With the default period a figure is skipped while drawing would take over
+    :data:`FIGURE_TIME_SHARE` of the wall time; :meth:`finish` draws the last skipped one.
     """
 
     def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
@@ -136,8 +130,7 @@ class Dashboard:
             image = draw(prefix_rows, step)
             if image is not None:
                 self.sink.image(trainer, tag, image, step)
-            # A drawn figure is a web of reference cycles (tens of MB at hundreds of layers) that Python's
-            # collector may leave for many steps; collected now, the next figure reuses its memory.
+            # A drawn figure is a web of reference cycles: collected now, the next figure reuses its memory.
             gc.collect()
         finished = time.monotonic()
         self._next_draw = finished + (finished - started) * (1 / FIGURE_TIME_SHARE - 1)

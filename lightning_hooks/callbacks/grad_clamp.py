@@ -28,53 +28,32 @@ ClampMode = Literal["backward", "accumulated"]
 class GradClamp(HookCallback):
     """Clamp every trainable parameter's gradient to ``[-value, value]``.
 
-    With ``mode="backward"`` (the default) a tensor hook (``Tensor.register_hook``) on each
-    trainable parameter of the selected modules replaces the gradient that autograd is about to
-    accumulate into ``.grad`` with its clamped copy, during backward. With
-    ``mode="accumulated"`` no hook is registered; the accumulated ``.grad`` is clamped in place
-    once per optimizer step, in ``on_before_optimizer_step``.
+    With ``mode="backward"`` (the default) each backward pass's gradient of each trainable parameter
+    of the selected modules is clamped before it is accumulated into ``.grad`` (in one process on one
+    device without a ``GradScaler`` or accumulation, all of them in place as the pass ends). With
+    ``mode="accumulated"`` the accumulated ``.grad`` is clamped in place in ``on_before_optimizer_step``.
 
-    In one process on one device (``SingleDeviceStrategy``), with automatic optimization, no
-    ``GradScaler`` and no gradient accumulation, where each backward's gradient lands in an empty
-    ``.grad``, the hooks are not one per parameter: a hook on the loss (in ``on_before_backward``)
-    has every ``.grad`` clamped in place as that backward pass ends, before it returns, with two
-    fused ``torch._foreach`` operators. The gradients are the same and so is every later reader's
-    view of them; what changes is the cost: two fused operators instead of autograd calling
-    Python for each parameter (docs/performance.md). A step whose ``.grad`` already holds a gradient gets the
-    hook per parameter, for that backward.
-
-    Frozen parameters (``requires_grad=False``) are skipped; a parameter shared by several modules
-    is clamped once. On logging steps the share of gradient elements that were clamped is logged
-    as ``grad_clamp/clamped_fraction``; on other steps nothing is counted and nothing waits for
-    the device.
+    Frozen parameters are skipped; a shared parameter is clamped once. On logging steps the share of
+    gradient elements that were clamped is logged as ``grad_clamp/clamped_fraction``.
 
     Which mode to pick:
 
-    * ``"backward"`` bounds each backward pass's contribution: under gradient accumulation with
-      ``k`` micro-batches a gradient can reach ``k * value``; under DDP each rank clamps its local
-      gradient *before* the all-reduce averages them (so the result is the mean of clamped
-      per-rank gradients, which tames a single rank's outlier batch).
-    * ``"accumulated"`` clamps the gradient the optimizer will use: after accumulation, after the
-      DDP all-reduce, after AMP unscaling. It equals ``Trainer(gradient_clip_val=value,
-      gradient_clip_algorithm="value")`` in every setup. It also works where parameter tensor hooks
-      do not fire (FSDP1's flat parameters).
+    * ``"backward"`` bounds each backward pass's contribution: with ``k`` accumulated micro-batches a
+      gradient can reach ``k * value``; under DDP each rank clamps its local gradient *before* the
+      all-reduce averages them.
+    * ``"accumulated"`` clamps the gradient the optimizer will use, after accumulation, the DDP
+      all-reduce and AMP unscaling: ``Trainer(gradient_clip_val=value, gradient_clip_algorithm="value")``
+      in every setup, also where parameter tensor hooks do not fire (FSDP1's flat parameters).
 
-    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``), ``"accumulated"`` clamps each
-    rank's shard of the reduced gradient in place, and ``"backward"`` puts the clamp on the
-    unsharded parameters a module holds during its forward, so that each rank's own gradient is
-    clamped before FSDP reduce-scatters it, as under DDP. ``grad_clamp/clamped_fraction`` then
-    counts every rank's elements (one more all-reduce on logging steps).
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) ``"accumulated"`` clamps each rank's
+    shard of the reduced gradient and ``"backward"`` each rank's own gradient before FSDP
+    reduce-scatters it; ``grad_clamp/clamped_fraction`` counts every rank's elements. Under
+    ``torch.compile`` both modes work unchanged.
 
-    Under ``torch.compile`` both modes work unchanged: the clamp at the end of the backward pass
-    and the parameter tensor hooks (called by autograd when it accumulates a parameter's
-    gradient) both run outside the compiled graphs.
-
-    In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler``
-    (fp16 mixed precision), the backward hook sees gradients multiplied by the loss scale, so it
-    clamps to ``value * scale`` using the scale tensor on the device (no host sync) and leaves
-    ``inf``/``NaN`` untouched, so that the scaler still detects an overflow, skips that step and
-    lowers its scale. With one process, fp32 or a ``GradScaler``, and no gradient accumulation,
-    both modes give exactly the weights of Lightning's value clipping.
+    In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler`` the
+    backward hook sees scaled gradients, so it clamps to ``value * scale`` and leaves ``inf``/``NaN``
+    untouched, so that the scaler still skips an overflowing step. With one process and no gradient
+    accumulation both modes give exactly the weights of Lightning's value clipping.
 
     Args:
         value: The bound, a positive finite number.
@@ -116,7 +95,7 @@ class GradClamp(HookCallback):
         self._sharded = False
         """Whether some parameter is sharded (FSDP2): the clamped count is then summed over processes."""
         self._per_backward = False
-        """Whether each backward pass gets its clamp in ``on_before_backward`` (see the class docstring)."""
+        """Whether each backward pass gets its clamp in ``on_before_backward``, as it ends."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -137,8 +116,7 @@ class GradClamp(HookCallback):
             self._clamper.attach_unsharded(modules, self._params, self._handles, self._step_handles)
         elif self.mode == "backward":
             self._per_backward = (
-                # One process on one device, no wrapper: DDP, even in one process, copies its reduced buckets
-                # back into `.grad` as the backward pass ends.
+                # Not under DDP, even in one process: it copies its reduced buckets into `.grad` as the pass ends.
                 isinstance(trainer.strategy, SingleDeviceStrategy)
                 and self._clamper.scaler is None
                 and trainer.accumulate_grad_batches == 1
@@ -192,7 +170,7 @@ class GradClamp(HookCallback):
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:
-            fraction = self._clamper.count.fraction(_summer(trainer) if self._sharded else None)  # one host transfer
+            fraction = self._clamper.count.fraction(_summer(trainer) if self._sharded else None)
             if fraction is not None:
                 self._sink.scalars(trainer, {TAG: fraction}, step)
 

@@ -29,29 +29,18 @@ SHARDED_GROUPS = ("param", "update", "weight")
 class GradStats(StatsCallback):
     """Log gradient statistics per parameter and per layer every ``log_every_n_steps`` optimizer steps.
 
-    **Parameter gradients** are read in ``on_before_optimizer_step``: after AMP unscaling, after
-    gradient accumulation and the DDP all-reduce, before gradient clipping — where Lightning's own
-    ``grad_norm`` recipe reads them. The update-to-weight ratio compares each parameter before and
-    after the optimizer step.
+    **Parameter gradients** are read in ``on_before_optimizer_step``: after AMP unscaling, gradient
+    accumulation and the DDP all-reduce, before gradient clipping. The update ratio compares each
+    parameter before and after the optimizer step.
 
-    **Layer output gradients** (what a full backward hook would report as ``grad_output``) are read
-    by a tensor hook that a forward hook puts on each output on logging steps, which, unlike
-    ``register_full_backward_hook``, works on models that modify outputs in place afterwards
-    (``ReLU(inplace=True)`` after a convolution). Under a ``GradScaler`` they are divided by the
-    current scale on device, so all figures are of the true, unscaled gradient.
+    **Layer output gradients** (a full backward hook's ``grad_output``) are read in backward, also
+    for outputs modified in place afterwards (``ReLU(inplace=True)``); under a ``GradScaler`` they are
+    divided by the current scale, so all figures are of the true gradient. On other steps no hook is
+    attached. Inside a ``torch.compile``'d region the hooks stay for the fit, switched by a flag
+    (README, "torch.compile").
 
-    Everything is computed on device and reaches the host in one transfer per logging step; on
-    other steps no hook is attached and nothing is computed.
-
-    Inside a ``torch.compile``'d region the output-gradient hooks stay for the whole fit,
-    switched by one flag per region (two graphs, no graph break): on logging steps each output
-    passes through an identity custom operator whose backward reads its gradient (README,
-    "torch.compile"). Parameter gradients are read outside compiled code, as in eager mode.
-
-    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard
-    of every parameter's gradient; the shards' moments are summed and their largest magnitudes
-    maxed across processes in the collectives that pool layer output gradients, so every figure is
-    that of the whole gradient and no tensor is gathered. Histograms are of rank zero's shard.
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard;
+    the figures are pooled across processes, those of the whole gradient. Histograms are of rank zero's shard.
 
     Tags (``<param>`` is a qualified parameter name such as ``features.0.weight``; ``<layer>`` a
     qualified module name, ``root`` for the LightningModule, with ``.out.<path>`` for nested outputs):
@@ -82,8 +71,7 @@ class GradStats(StatsCallback):
             ``None``: every 10 logging periods, skipping figures that would make drawing them take
             over 1 % of the fit's time (the last skipped one is drawn when training ends).
             Needs matplotlib (the ``plots`` extra).
-        figures: ``False`` draws no figure at all, so matplotlib is never loaded (it adds about
-            50 MB to the process the first time a figure is drawn); everything else is logged.
+        figures: ``False`` draws no figure at all, so matplotlib is never loaded; everything else is logged.
 
     Example::
 
@@ -172,8 +160,7 @@ class GradStats(StatsCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        # Called once per optimizer step (after unscaling, accumulation and the DDP all-reduce); with
-        # several optimizers (manual optimization), each reads the parameters it is about to update.
+        # With several optimizers (manual optimization) each reads the parameters it is about to update.
         if self.param_grads and self._enabled and self.gate.is_open:
             self._grads.record(self._params, optimizer, self._ratio_handles)
 

@@ -26,30 +26,20 @@ TAG = "shapes/train"
 class ShapeLogger(HookCallback):
     """Print and log a table of every selected module's input and output shapes.
 
-    A forward pre-hook (with keyword arguments) and a forward hook on each selected module record
-    one row per call, in the order calls start: a module called twice in one forward gets two rows.
-    On the first training step the table (qualified name, class, input shapes, output shapes,
-    parameter count including children) is printed on rank zero and written to TensorBoard as
-    markdown text under ``shapes/train`` at ``global_step``.
+    Forward hooks on each selected module record one row per call, in the order calls start. On the
+    first training step the table (qualified name, class, input shapes, output shapes, parameter
+    count including children) is printed on rank zero and logged as a table under ``shapes/train``
+    at ``global_step``.
 
-    Afterwards shapes are recorded again only on steps where they may have changed: when the
-    batch's own shapes differ from the previous batch (for example the last, smaller batch of an
-    epoch) and on every ``log_every_n_steps``-th optimizer step. A table that differs from every
-    table logged so far in this fit is printed and logged; a table seen before (the full-size
-    batch after the small last one) is not printed again, and otherwise the callback stays
-    silent. On other steps no hook is attached at all, so every module keeps
-    ``nn.Module.__call__``'s fast path. Sanity-check, validation, test and predict passes are
-    never recorded, nor is the forward that activation checkpointing re-runs during backward.
-    When selected modules are inside a ``torch.compile``'d region, the batches recorded run the
-    compiled code eagerly (``torch.compiler.set_stance("force_eager")``) so that the hooks fire;
-    its compiled graphs are neither used nor changed by those batches, and no graph breaks.
+    Afterwards shapes are recorded again when the batch's shapes differ from the previous batch's and
+    on every ``log_every_n_steps``-th optimizer step; a table that differs from every table logged so
+    far in this fit is printed and logged. On other steps no hook is attached. Sanity-check,
+    validation, test and predict passes are never recorded, nor is activation checkpointing's
+    recompute. Recorded batches run ``torch.compile``'d code eagerly, so that the hooks fire.
 
-    With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks
-    whose calls have the same structure, classes, parameter counts and shapes (the layers of an
-    encoder, children of an ``nn.ModuleList`` or ``nn.Sequential``) is shown once, named with the
-    range of indices and followed by the number of blocks: ``encoder.layer.0–23  ×24``. Its rows
-    are those of one block (parameters too). The table is collapsed the same way everywhere it
-    goes: printed, in TensorBoard and in every other logger's table.
+    With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks with
+    the same calls, classes, parameter counts and shapes is shown once, named with the range of
+    indices and followed by the number of blocks: ``encoder.layer.0–23  ×24``.
 
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
@@ -127,7 +117,6 @@ class ShapeLogger(HookCallback):
             self._recorder.clear()
             self._recorder.active = True
             self._recorder.attach(self._modules, self._step_handles, self._params)
-            # Compiled code does not call the hooks of one step: the recorded step runs it eagerly.
             run_eager(self, self._compiled)
 
     @override
