@@ -1,9 +1,5 @@
-"""One backend per kind of Lightning logger: each writes a logging step's :class:`StepData` in the logger's native form.
-
-A backend writes through its Lightning logger object (``experiment``, ``run_id``, ``log_dir``),
-never through a connection of its own; ``wandb`` and ``mlflow`` are imported only when a Trainer
-has their logger.
-"""
+"""One backend per kind of Lightning logger: each writes a logging step's :class:`StepData` in the logger's native form,
+through the logger object; ``wandb`` and ``mlflow`` are imported only when a Trainer has their logger."""
 
 from __future__ import annotations
 
@@ -133,8 +129,7 @@ def histogram_proto(hist: Histogram) -> HistogramProto:
 
 
 def text_proto(tag: str, text: str) -> Summary:
-    """What ``SummaryWriter.add_text`` writes, under ``tag`` itself and as one string rather than a vector of one
-    (TensorBoard would frame a markdown table inside a table of cells).
+    """What ``SummaryWriter.add_text`` writes, under ``tag`` itself and as one string, not a vector of one.
 
     Example::
 
@@ -150,7 +145,7 @@ def text_proto(tag: str, text: str) -> Summary:
 
 class TensorBoardBackend(Backend):
     """All of a step's scalars as one event, its histograms as another, markdown text and tables, images, and the
-    custom-scalars layout; every record checksummed in C (:mod:`lightning_hooks.sinks.events`)."""
+    custom-scalars layout."""
 
     name = "TensorBoard"
     shows = frozenset(EXTRAS)
@@ -199,7 +194,7 @@ OPEN_CHARTS_MAX = 12
 
 def _closing_large_categories(summary: Any) -> Any:
     """``summary`` (torch's custom-scalars summary) with every category of more than :data:`OPEN_CHARTS_MAX` charts
-    closed: TensorBoard draws every chart of an open category at once."""
+    closed."""
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     value = summary.value[0]
@@ -212,13 +207,8 @@ def _closing_large_categories(summary: Any) -> Any:
 
 
 class WandbBackend(Backend):
-    """The whole step in one ``run.log`` call, with the step under ``trainer/global_step``.
-
-    Lightning's ``WandbLogger.log_metrics`` logs ``{..., "trainer/global_step": step}`` without
-    ``step=``, so W&B's own step counts ``log`` calls, and the logger has W&B plot every key
-    against ``trainer/global_step``. Doing the same keeps W&B's counter increasing (a ``step=``
-    below it would be dropped with a warning) and puts each point at its optimizer step.
-    """
+    """The whole step in one ``run.log`` call, with the step under ``trainer/global_step`` and no ``step=``,
+    as Lightning's ``WandbLogger.log_metrics`` does."""
 
     name = "W&B"
     shows = frozenset(EXTRAS)
@@ -245,9 +235,8 @@ class WandbBackend(Backend):
 
 
 def mlflow_key(tag: str) -> str:
-    """The metric key MLflow takes for a tag: characters other than letters, digits and ``_/.-``
-    and space removed (as Lightning's ``MLFlowLogger`` does), and no empty, ``.`` or ``..`` path
-    segment (MLflow refuses a key that path normalisation would change).
+    """The metric key MLflow takes for a tag: only letters, digits, ``_/.-`` and space, and no empty, ``.`` or
+    ``..`` path segment.
 
     Example::
 

@@ -1,9 +1,7 @@
 """TensorBoard event records checksummed in C: the bytes TensorBoard writes, with ``google-crc32c``'s CRC-32C.
 
-TensorBoard's ``RecordWriter`` computes each record's CRC-32C in pure Python. This module is the
-one place that reaches into TensorBoard's writer: :func:`checksum_in_c` hands one writer's
-background thread a :class:`CRecordWriter` over the same file, or changes nothing when
-TensorBoard's writer is not built as expected (``tests/unit/test_events.py`` fails loudly then).
+The one place that reaches into TensorBoard's writer; it changes nothing when that writer is not
+built as expected (``tests/unit/test_events.py`` fails loudly then).
 """
 
 from __future__ import annotations
@@ -40,11 +38,8 @@ class CRecordWriter(RecordWriter):
 
 
 def checksum_in_c(writer: SummaryWriter) -> bool:
-    """Make ``writer``'s event file get its CRCs from C from now on; whether it does.
-
-    Only this writer changes; a writer that is not TensorBoard's ``EventFileWriter`` as this
-    module knows it, or a ``google-crc32c`` without its C build, is left alone (``False``).
-    """
+    """Make ``writer``'s event file get its CRCs from C from now on; whether it does (``False`` for an unknown
+    writer or a ``google-crc32c`` without its C build, both left alone)."""
     queue: Any = getattr(writer._get_file_writer().event_writer, "_async_writer", None)
     records: Any = getattr(queue, "_writer", None)
     if type(records) is CRecordWriter:

@@ -1,17 +1,7 @@
-"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra).
+"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra, imported on first use).
 
-Two figures:
-
-* **gradient flow**: mean and max ``|gradient|`` of each layer's parameters, in model order, on a
-  log scale: a layer whose bars sink orders of magnitude below its neighbours' is where gradients
-  vanish; one that towers above them is where they explode;
-* **activation zero fraction**: the share of exact zeros in each layer's output, in call order:
-  a ReLU near 100 % has died.
-
-The series are computed from host-side states (see :mod:`lightning_hooks.stats.batch`); the
-renderers take names and values and return an ``H x W x 3`` ``uint8`` image, drawn with the Agg
-canvas directly (no pyplot, no global state, no display). matplotlib is imported on first use;
-:data:`INSTALL_HINT` says how to get it.
+The series come from host-side states; the renderers return an ``H x W x 3`` ``uint8`` image drawn
+on the Agg canvas (no pyplot, no global state).
 """
 
 from __future__ import annotations
@@ -40,11 +30,8 @@ _MEAN_COLOR, _MAX_COLOR, _BAD_COLOR, _OK_COLOR = "#1f4e99", "#9dc3e6", "#c62828"
 
 
 def gradient_flow_series(rows: Mapping[str, State]) -> tuple[list[str], list[float], list[float]]:
-    """Per layer (a parameter's module), mean and max ``|gradient|`` from parameter moment rows.
-
-    ``rows`` maps qualified parameter names, in model order, to combined moment rows; the
-    parameters of one module (weight and bias) are pooled. Returns ``(layers, mean_abs, max_abs)``.
-    """
+    """``(layers, mean_abs, max_abs)``: per module, in model order, mean and max ``|gradient|`` of its parameters
+    from ``rows`` (qualified parameter name to state)."""
     pooled: dict[str, list[State]] = {}
     for name, row in rows.items():
         module = name.rpartition(".")[0]
@@ -74,11 +61,8 @@ def zero_fraction_series(rows: Mapping[str, State]) -> tuple[list[str], list[flo
 def render_gradient_flow(
     layers: Sequence[str], mean_abs: Sequence[float], max_abs: Sequence[float], step: int
 ) -> NDArray[np.uint8]:
-    """The "gradient flow" bar chart: per layer, max ``|g|`` (wide, light) behind mean ``|g|`` (narrow, dark).
-
-    Log scale; a layer with NaN/Inf gradients gets a red label and a red "NaN/Inf" mark, a layer
-    whose gradient is exactly zero a "0" mark at the floor of the axis.
-    """
+    """The "gradient flow" bar chart on a log scale: per layer, max ``|g|`` behind mean ``|g|``; NaN/Inf and
+    exactly zero gradients are marked."""
     figure, axes = _figure(len(layers))
     x = np.arange(len(layers))
     positive = [v for v in (*mean_abs, *max_abs) if math.isfinite(v) and v > 0]
@@ -148,8 +132,7 @@ def _figure(n: int) -> tuple[Figure, Axes]:
 
 
 NAMED_MAX = 60
-"""A figure's axis names at most about this many layers (the widest figure has room for that many
-slanted names), plus every flagged one."""
+"""A figure's axis names at most about this many layers, plus every flagged one."""
 
 
 def named_layers(flagged: Sequence[bool], most: int = NAMED_MAX) -> tuple[list[int], int]:

@@ -1,15 +1,8 @@
-"""A TensorBoard custom-scalars layout built from the tags the statistics callbacks logged.
+"""A TensorBoard custom-scalars layout built from the tags the statistics callbacks logged (pure Python).
 
-Each statistic (``grad_norm``, ``act_zero_frac``, ...) gets one multi-line chart that shows every
-layer of the model, and the charts are grouped into categories by what they measure. A statistic
-with more than :data:`MAX_LINES` layers is split along the module tree: names are grouped by their
-first ``depth`` dotted components, at the smallest depth where no group has more than
-:data:`MAX_LINES` names, and consecutive groups are packed into charts of at most
-:data:`MAX_LINES` lines, so that no chart has hundreds of lines and none has only one.
-
-Pure Python: the result is the ``{category: {chart title: ("Multiline", [regex])}}`` mapping that
-``torch.utils.tensorboard.summary.custom_scalars`` takes. Every regex is anchored and escaped;
-TensorBoard matches it against the tags of each run.
+Each statistic gets a multi-line chart of every layer, grouped into categories; one with more than
+:data:`MAX_LINES` layers is split along the module tree (:func:`chart_groups`). The result is the
+mapping ``torch.utils.tensorboard.summary.custom_scalars`` takes, with anchored, escaped regexes.
 """
 
 from __future__ import annotations
@@ -110,9 +103,8 @@ def build_layout(tags: Iterable[str], max_lines: int = MAX_LINES) -> Layout:
 def chart_groups(names: Sequence[str], max_lines: int = MAX_LINES) -> list[tuple[str, list[str]]] | None:
     """How to split ``names`` into charts of at most ``max_lines`` lines; ``None`` when one chart holds them all.
 
-    Each chart is ``(title, patterns)``: the module prefixes it covers (``"layer1"`` or
-    ``"layer1 … layer2.3"``) and one escaped regex per prefix that matches exactly the names of
-    that group.
+    Names are grouped by their first dotted components, at the smallest depth where every group fits,
+    and consecutive groups packed into charts: ``(title, one escaped regex per group)``.
 
     Example::
 

@@ -1,8 +1,4 @@
-"""Where numbers go: the Trainer's loggers, each in its native form, from rank zero only.
-
-A :class:`Sink` is what a callback writes through; the numbers it is given are on the host
-already, so another logger adds writes, never a device sync.
-"""
+"""Where numbers go: the Trainer's loggers, each in its native form, from rank zero only."""
 
 from __future__ import annotations
 
@@ -31,19 +27,12 @@ def echo(text: str) -> None:
 
 
 class Sink:
-    """Sends a callback's scalars, histograms, figures, text and tables to whatever loggers a Trainer has.
+    """Sends a callback's host numbers, histograms, figures, text and tables to whatever loggers a Trainer has.
 
-    Each logger gets what it can show, in its own form (the backends below, and
-    the README's Loggers section): TensorBoard everything, W&B and MLflow everything but the
-    layout, CSV scalars and markdown files, a logger this library does not know scalars through
-    ``log_metrics`` and one warning naming what it does not get. When none of the Trainer's
-    loggers shows a kind that is sent (histograms with a CSV logger only), one warning per kind.
-
-    A call sends at once; :meth:`log_step` sends a whole logging step, and inside
-    :meth:`gathered` every call is held and each step sent as one :meth:`log_step` at the end, so
-    that each logger gets one write per step (W&B one ``log`` call). Only host numbers are
-    passed in: more loggers never mean more device syncs. Every write happens on global rank
-    zero only.
+    Each logger gets what it can show, in its own form (README: Loggers); an unknown logger gets
+    scalars and one warning, and a kind that no logger shows one warning. A call sends at once;
+    inside :meth:`gathered` each step is sent as one :meth:`log_step`. Every write happens on global
+    rank zero only.
     """
 
     def __init__(self, owner: str) -> None:
@@ -174,14 +163,10 @@ class Sink:
 
     @rank_zero_only
     def layout(self, trainer: pl.Trainer, step: int) -> None:
-        """Write the custom-scalars layout of each TensorBoard run when it has tags it did not have.
+        """Write, at ``step``, the custom-scalars layout of each TensorBoard run that has tags it did not cover.
 
-        A run has one layout (TensorBoard shows the last one written), shared by every callback
-        that logs to it: the layout is built from the tags of all of their sinks, and written
-        again, at ``step``, whenever one of them logged a tag the layout did not cover yet. A
-        layout written by other code to the same run is replaced. Loggers other than
-        TensorBoard's have no such thing and are skipped without a warning. Inside
-        :meth:`gathered`, it is written after the held steps.
+        A run's layout covers the tags of every sink that logs to it and replaces any other; inside
+        :meth:`gathered` it is written after the held steps. Other loggers are skipped.
         """
         if self._held is not None:
             self._held_layout = step
