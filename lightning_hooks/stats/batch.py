@@ -17,8 +17,8 @@ Key = tuple[str, str]
 """``(group, name)``: what a state is of, e.g. ``("param", "fc1.weight")``."""
 
 ROW_MAX = 1 << 15
-"""A tensor of at most this many elements is copied and reduced later with the others of its shape, as rows of one
-matrix (one operator per tensor instead of a dozen); a larger one is reduced at once."""
+"""A tensor of at most this many elements is copied and reduced later with the others of its shape; a larger one at
+once."""
 
 PENDING_MAX = 1 << 22
 """The copies waiting to be reduced hold at most this many elements (16 MB of float32)."""
@@ -45,12 +45,8 @@ class OutputKeys:
 
 
 class Across(NamedTuple):
-    """How :meth:`StatBatch.fetch` pools over processes (DDP ranks, parameter shards).
-
-    Every process fetches with the same ``groups``; ``agree`` turns this process's keys into the
-    sorted union of every process's (a collective); ``reduce(tensor, op)`` is a collective with
-    ``op`` in ``"sum"``, ``"max"``.
-    """
+    """How :meth:`StatBatch.fetch` pools ``groups`` over processes: ``agree`` turns this process's keys into the
+    sorted union of every process's, ``reduce(tensor, op)`` with ``op`` in ``"sum"``, ``"max"``; both collectives."""
 
     groups: frozenset[str]
     agree: Callable[[list[tuple[Hashable, ...]]], list[tuple[Hashable, ...]]]
@@ -58,11 +54,7 @@ class Across(NamedTuple):
 
 
 class Fetched(NamedTuple):
-    """A step's numbers on the host.
-
-    ``stats`` holds, for each key with values, its :data:`~lightning_hooks.stats.state.STATS` in
-    that order, derived on device.
-    """
+    """A step's numbers on the host; ``stats`` holds each key's :data:`~lightning_hooks.stats.state.STATS`."""
 
     states: dict[Key, State]
     stats: dict[Key, list[float]]
@@ -74,9 +66,7 @@ class Fetched(NamedTuple):
 class StatBatch:
     """What a step records, pooled per key, fetched with a single device-to-host copy.
 
-    Calls under the same key (a module called twice, micro-batches) pool into one state. Nothing
-    is taken unless the batch is ``open``: a tensor hook that fires after the fetch adds nothing
-    to the next step.
+    Calls under the same key pool into one state. Nothing is taken unless the batch is ``open``.
 
     Example::
 
@@ -112,18 +102,14 @@ class StatBatch:
         self._device: torch.device | None = None
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
-        """Take the state of ``t`` under ``key``, and a sample for the key's histogram if asked.
-
-        A small tensor is copied (an in-place op after a forward hook cannot change what was
-        taken) and reduced later with the others of its shape, as rows of one matrix; a large one
-        is reduced at once.
-        """
+        """Take the state of ``t`` under ``key`` (later in-place ops do not change it), and a sample for the key's
+        histogram if asked."""
         if self.open:
             self._order[key] = None
             self._take([key], [t.detach()], histogram)
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
-        """:meth:`add` for each key and tensor; tensors of one shape are copied into their rows by one operator."""
+        """:meth:`add` for each key and tensor."""
         if not self.open:
             return
         groups: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = {}
@@ -182,8 +168,7 @@ class StatBatch:
             self._scalars.append((keys, values))
 
     def add_vector(self, key: Key, values: torch.Tensor) -> None:
-        """A vector under ``key`` (e.g. the sum of squares of each unit of a layer), pooled by ``+`` with the key's
-        earlier vectors in the step and, for groups fetched ``across`` processes, with every process's."""
+        """A vector under ``key``, pooled by ``+`` with the key's earlier vectors and (fetched ``across``) processes."""
         if self.open:
             values = values.detach().double().reshape(-1)
             self._device = self._device or values.device

@@ -25,8 +25,8 @@ def sample(t: torch.Tensor) -> torch.Tensor:
 def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
     """Per row of the matrix ``x``, ``[min, max, num, sum, sum_sq, count_0 .. count_{bins-1}]`` in float64.
 
-    ``bins`` equal buckets from the smallest to the largest finite value of the row, the last one
-    closed, as ``torch.histc`` lays them; NaN and Inf are left out. Counted on device.
+    ``bins`` equal buckets from the smallest to the largest finite value of the row, as ``torch.histc``
+    lays them; NaN and Inf are left out.
 
     Example::
 

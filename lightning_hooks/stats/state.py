@@ -1,9 +1,7 @@
 """The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch).
 
-Every statistic a user sees (norm, mean, std, ...) is derived from one *state* per key: seven
-float64 numbers that combine by ``+`` (count, sum, sum of squares, non-zeros, non-finite values,
-sum of magnitudes) or by ``max`` (largest magnitude), as torchmetrics declares a state with its
-reduction. Calls of a module, micro-batches, DDP ranks and parameter shards all pool that way.
+Every statistic is derived from one *state* per key: seven float64 numbers that combine by ``+``
+or, for the largest magnitude, by ``max``.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ _SUMMED = WIDTH - 1
 def reduce_rows(m: torch.Tensor) -> torch.Tensor:
     """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction.
 
-    A single tensor is the one-row case (``t.reshape(1, -1)``). Values are reduced in float32
-    (float64 stays float64); the sum of squares is rebuilt in float64 from the mean and the spread
-    around it, so a tiny variance next to a large mean keeps its precision. NaN wins the maximum.
+    Values are reduced in float32 (float64 stays float64); the sum of squares is rebuilt in float64
+    from the mean and the spread around it. NaN wins the maximum.
     """
     x = m.detach()
     x = x if x.dtype == torch.float64 else x.float()
