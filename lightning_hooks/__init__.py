@@ -1,8 +1,6 @@
 """Lightning callbacks that show what happens inside a training run, built on PyTorch's hooks.
 
-The pure-torch helpers (:func:`trace_shapes`, :func:`format_table`, :func:`find_nonfinite`) import
-torch only; the callbacks load Lightning on first use, so ``import lightning_hooks`` works where
-Lightning is not installed.
+The callbacks load Lightning on first use: the pure-torch helpers work without it.
 """
 
 from __future__ import annotations

@@ -101,11 +101,7 @@ class GradClamp(HookCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
-            refuse_sharded(
-                trainer.strategy,
-                f"`{type(self).__name__}(mode='backward')`",
-                "use `mode='accumulated'`",
-            )
+            refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:

@@ -60,7 +60,7 @@ class GradStats(StatsCallback):
         histograms: Also log a histogram of each parameter's gradient.
         param_grads: Log parameter-gradient statistics and ``grad_norm_total``.
         output_grads: Log layer output-gradient statistics.
-        update_ratio: Log ``update_ratio/<param>`` (costs a copy of the watched parameters on
+        update_ratio: Log ``update_ratio/<param>`` (keeps a copy of the watched parameters on
             logging steps).
         include: Glob patterns over qualified module names (``""`` is the LightningModule).
         exclude: Glob patterns of modules to leave out.
@@ -107,15 +107,11 @@ class GradStats(StatsCallback):
             figure_every_n_steps=figure_every_n_steps,
             figures=figures,
         )
-        for arg, value in (
-            ("param_grads", param_grads),
-            ("output_grads", output_grads),
-            ("update_ratio", update_ratio),
-        ):
-            _validate.boolean("GradStats", arg, value)
+        self.param_grads = _validate.boolean("GradStats", "param_grads", param_grads)
+        self.output_grads = _validate.boolean("GradStats", "output_grads", output_grads)
+        self.update_ratio = _validate.boolean("GradStats", "update_ratio", update_ratio)
         if not (param_grads or output_grads):
             raise ValueError("`GradStats` got `param_grads=False` and `output_grads=False`; enable at least one.")
-        self.param_grads, self.output_grads, self.update_ratio = param_grads, output_grads, update_ratio
         self._params: list[tuple[str, nn.Parameter]] = []
         self._sharded = False
         """Whether some parameter is sharded (FSDP2): parameter states are then pooled across processes."""

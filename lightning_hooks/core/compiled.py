@@ -209,9 +209,6 @@ class Regions:
         for region in entered:
             region.leave()
 
-    def of(self, module: nn.Module) -> Region | None:
-        return next((r for r in self.entered if module in r), None)
-
     def split(
         self, modules: Sequence[tuple[str, nn.Module]]
     ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, Region]]]:
@@ -219,7 +216,7 @@ class Regions:
         eager: list[tuple[str, nn.Module]] = []
         compiled: list[tuple[str, nn.Module, Region]] = []
         for name, module in modules:
-            region = self.of(module)
+            region = next((r for r in self.entered if module in r), None)
             if region is None:
                 eager.append((name, module))
             else:
@@ -273,8 +270,7 @@ def run_eager(voter: object, on: bool) -> None:
 
 def has_compiled(model: nn.Module, modules: Sequence[tuple[str, nn.Module]]) -> bool:
     """Whether some of ``modules`` are inside a compiled region of ``model``."""
-    regions = find_regions(model)
-    return any(module in region for region in regions for _, module in modules)
+    return any(module in region for region in find_regions(model) for _, module in modules)
 
 
 def eager_stance() -> Any:

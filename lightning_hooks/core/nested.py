@@ -1,9 +1,7 @@
 """Shapes and named tensors of nested module inputs and outputs.
 
-Structure is walked with ``torch.utils._pytree`` (tuples, lists, dicts, namedtuples and every
-type registered with it, such as ``transformers``' ``ModelOutput``). Dataclasses and other
-mappings that pytree treats as opaque are opened here. Nothing in this module raises on an
-unknown type: it is shown by its type name.
+Structure is walked with ``torch.utils._pytree``, and dataclasses and mappings it treats as opaque
+are opened too. Nothing here raises on an unknown type: it is shown by its type name.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ def named_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
     Example::
 
-        >>> import torch
         >>> [(p, type(v).__name__) for p, v in named_leaves((torch.zeros(2), {"h": None}))]
         [('0', 'Tensor'), ('1.h', 'NoneType')]
     """
@@ -83,7 +80,6 @@ def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
     Example::
 
-        >>> import torch
         >>> [p for p, _ in named_tensors((torch.zeros(1), None, torch.ones(1)), prefix="lstm.out")]
         ['lstm.out.0', 'lstm.out.2']
     """
@@ -102,7 +98,6 @@ def signature(obj: Any) -> Signature:
 
     Example::
 
-        >>> import torch
         >>> signature({"logits": torch.zeros(4, 10), "aux": (None, 3)})
         (('logits', (4, 10)), ('aux.0', 'None'), ('aux.1', 'int'))
     """
@@ -140,7 +135,6 @@ def format_signature(sig: Signature) -> str:
 
     Example::
 
-        >>> import torch
         >>> format_signature(signature((torch.zeros(32, 5), None)))
         '0: [32, 5], 1: None'
     """

@@ -23,8 +23,6 @@ class ActivationRecorder:
 
     Example::
 
-        >>> import torch
-        >>> from lightning_hooks.stats.batch import StatBatch
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
         >>> batch = StatBatch()
         >>> batch.start()
@@ -97,8 +95,6 @@ class UnitRecorder:
 
     Example::
 
-        >>> import torch
-        >>> from lightning_hooks.stats.batch import StatBatch
         >>> batch = StatBatch()
         >>> batch.start()
         >>> recorder, relu = UnitRecorder(batch), nn.ReLU()

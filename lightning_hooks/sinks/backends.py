@@ -110,10 +110,7 @@ def histogram_proto(hist: Histogram) -> HistogramProto:
 
     Example::
 
-        >>> from types import SimpleNamespace
-        >>> hist = SimpleNamespace(min=0.0, max=2.0, num=3.0, sum=2.5, sum_squares=4.25,
-        ...                        bucket_limits=[1.0, 2.0], bucket_counts=[2.0, 1.0])
-        >>> proto = histogram_proto(hist)
+        >>> proto = histogram_proto(Histogram.of([0.0, 2.0, 3.0, 2.5, 4.25, 2.0, 1.0]))
         >>> proto.num, list(proto.bucket_limit), list(proto.bucket)
         (3.0, [1.0, 2.0], [2.0, 1.0])
     """
