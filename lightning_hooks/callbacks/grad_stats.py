@@ -30,17 +30,13 @@ class GradStats(StatsCallback):
     """Log gradient statistics per parameter and per layer every ``log_every_n_steps`` optimizer steps.
 
     **Parameter gradients** are read in ``on_before_optimizer_step``: after AMP unscaling, gradient
-    accumulation and the DDP all-reduce, before gradient clipping. The update ratio compares each
-    parameter before and after the optimizer step.
-
-    **Layer output gradients** (a full backward hook's ``grad_output``) are read in backward, also
-    for outputs modified in place afterwards (``ReLU(inplace=True)``); under a ``GradScaler`` they are
-    divided by the current scale, so all figures are of the true gradient. On other steps no hook is
-    attached. Inside a ``torch.compile``'d region the hooks stay for the fit, switched by a flag
-    (README, "torch.compile").
-
-    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) each process reads its own shard;
-    the figures are pooled across processes, those of the whole gradient. Histograms are of rank zero's shard.
+    accumulation and the DDP all-reduce, before gradient clipping. **Layer output gradients** (a full
+    backward hook's ``grad_output``) are read in backward, also for outputs modified in place
+    (``ReLU(inplace=True)``), and divided by a ``GradScaler``'s scale: all figures are of the true
+    gradient. On other steps no hook is attached; inside a ``torch.compile``'d region the hooks stay
+    for the fit, switched by a flag (README, "torch.compile"). Under FSDP2 (``ModelParallelStrategy``
+    with ``fully_shard``) each process reads its own shard and the figures are pooled, those of the
+    whole gradient; histograms are of rank zero's shard.
 
     Tags (``<param>`` is a qualified parameter name such as ``features.0.weight``; ``<layer>`` a
     qualified module name, ``root`` for the LightningModule, with ``.out.<path>`` for nested outputs):

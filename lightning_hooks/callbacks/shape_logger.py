@@ -27,15 +27,12 @@ class ShapeLogger(HookCallback):
     """Print and log a table of every selected module's input and output shapes.
 
     Forward hooks on each selected module record one row per call, in the order calls start. On the
-    first training step the table (qualified name, class, input shapes, output shapes, parameter
-    count including children) is printed on rank zero and logged as a table under ``shapes/train``
-    at ``global_step``.
-
-    Afterwards shapes are recorded again when the batch's shapes differ from the previous batch's and
-    on every ``log_every_n_steps``-th optimizer step; a table that differs from every table logged so
-    far in this fit is printed and logged. On other steps no hook is attached. Sanity-check,
-    validation, test and predict passes are never recorded, nor is activation checkpointing's
-    recompute. Recorded batches run ``torch.compile``'d code eagerly, so that the hooks fire.
+    first training step the table (qualified name, class, input and output shapes, parameter count
+    including children) is printed on rank zero and logged under ``shapes/train`` at ``global_step``.
+    Later, shapes are recorded again when the batch's shapes change and every ``log_every_n_steps``
+    optimizer steps; a table unlike every one logged in this fit is printed and logged. Only training
+    steps are recorded, not activation checkpointing's recompute; recorded batches run
+    ``torch.compile``'d code eagerly, so that the hooks fire.
 
     With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks with
     the same calls, classes, parameter counts and shapes is shown once, named with the range of

@@ -38,7 +38,6 @@ class ActivationRecorder:
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("act")
         self._hooks: dict[str, _ActivationHook] = {}
-        """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = made_once(self._hooks, modules, lambda name, _: _ActivationHook(self, name, self.batch))
@@ -84,14 +83,12 @@ class UnitRecorder:
     """Per output unit of each parameter-free hooked module, the sum of squares of its values; and each other
     hooked module's output's sum of squares.
 
-    A unit is a channel of an image or volume map (``(N, C, H, W)``, ``(N, C, D, H, W)``, ``(N, C, L)``
-    out of 1-d convolutions and their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``).
-    Each floating-point output becomes one vector under ``("units", <layer>[.out.<path>])``: a sum per
-    unit (keys in :attr:`per_unit`) for modules without parameters of their own and outputs of at least
-    two dimensions, ``[sum of squares]`` otherwise, pooled by ``+`` over calls, micro-batches and
-    (fetched ``across``) processes. A unit summing to zero was zero for every sample; the total is the
-    output's sum of squares. ``samples`` counts how many values each unit of a key saw in this process
-    since :meth:`start`.
+    A unit is a channel of a map (``(N, C, H, W)``, ``(N, C, D, H, W)``, ``(N, C, L)`` out of 1-d
+    convolutions and their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``). Each
+    floating-point output is one vector under ``("units", <layer>[.out.<path>])``: a sum per unit (keys
+    in :attr:`per_unit`) for modules without parameters and outputs of at least two dimensions, else
+    ``[sum of squares]``; pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes.
+    ``samples`` counts how many values each unit of a key saw in this process since :meth:`start`.
 
     Example::
 

@@ -46,7 +46,6 @@ class OutputGradRecorder:
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("out")
         self._hooks: dict[str, _OutputGradHook] = {}
-        """The hook of each module name, made once and attached at every logging step."""
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = made_once(self._hooks, modules, lambda name, _: _OutputGradHook(self, name))
@@ -217,13 +216,11 @@ class _OutputGradProbe:
 class ParamGradRecorder:
     """Observe parameter gradients under ``("param", <name>)`` and update ratios under ``("ratio", <name>)``.
 
-    :meth:`record` is called where the optimizer is about to step, with gradients final. Each
-    parameter is read once per recorded step (:meth:`start`), and only if ``optimizer`` holds it.
-    With ``update_ratio`` the optimizer's step post-hook logs ``||w_after - w_before|| / ||w_before||``.
-
-    A sharded parameter (FSDP2) is observed through this process's shard, to be pooled across
-    processes (groups ``param``, ``update``, ``weight``): its change goes under ``("update", <name>)``
-    and its weight before under ``("weight", <name>)``, for :func:`update_ratio`.
+    :meth:`record`, called where the optimizer is about to step, reads each gradient ``optimizer`` will
+    use, once per recorded step (:meth:`start`); with ``update_ratio`` the optimizer's step post-hook
+    adds ``||w_after - w_before|| / ||w_before||``. A sharded parameter (FSDP2) is read through this
+    process's shard, to be pooled across processes (groups ``param``, ``update``, ``weight``): its
+    ratio is then :func:`update_ratio` of ``("update", <name>)`` and ``("weight", <name>)``.
 
     Example::
 

@@ -36,7 +36,6 @@ class ShapeRecorder:
     rows: list[ShapeRow] = field(default_factory=list)
     _open: dict[str, list[ShapeRow]] = field(default_factory=dict)
     _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
-    """The hooks of each module name, made once and attached at every recorded step."""
 
     def clear(self) -> None:
         self.rows = []
