@@ -70,7 +70,7 @@ class _ActivationHook:
             if graph_task_id() != -1:  # an eager hook: no compiler traces it
                 return
             recorder.fired.add(self.name)
-        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+        if type(output) is torch.Tensor:  # what most modules return
             if output.is_floating_point():
                 into.add(self.key, output, recorder.histograms)
             return

@@ -188,5 +188,5 @@ class _ClampHook:
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         clamper = self.clamper
-        scale = None if clamper.scaler is None else loss_scale(clamper.scaler)  # no call per gradient without AMP
+        scale = None if clamper.scaler is None else loss_scale(clamper.scaler)
         return clamp_true_gradient(grad, clamper.value, scale, clamper.count)

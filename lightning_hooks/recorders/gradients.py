@@ -81,7 +81,7 @@ class _OutputGradHook:
         self.recorder.fired.add(self.name)
         if not torch.is_grad_enabled():
             return
-        if type(output) is torch.Tensor:  # what most modules return: no walk, no key to look up
+        if type(output) is torch.Tensor:  # what most modules return
             if output.requires_grad and output.is_floating_point():
                 node = output.grad_fn
                 if node is not None and output.output_nr == 0:
@@ -109,7 +109,7 @@ class _GradReader:
 
     def __call__(self, grad: torch.Tensor) -> None:
         recorder = self.recorder
-        scale = None if recorder.scaler is None else loss_scale(recorder.scaler)  # no call per gradient without AMP
+        scale = None if recorder.scaler is None else loss_scale(recorder.scaler)
         recorder.batch.add(self.key, grad if scale is None else grad.float() / scale)
 
 
@@ -269,7 +269,7 @@ class ParamGradRecorder:
             self._read.add(id(param))
             read.append((name, param))
             grad = counted_part(param.grad)
-            grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))  # a call only when sparse
+            grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))
         if not read:
             return
         if self.observe:
