@@ -29,8 +29,8 @@ class GradClamp(HookCallback):
     """Clamp every trainable parameter's gradient to ``[-value, value]``.
 
     With ``mode="backward"`` (the default) each backward pass's gradient of each trainable parameter
-    of the selected modules is clamped before it is accumulated into ``.grad`` (in one process on one
-    device without a ``GradScaler`` or accumulation, all of them in place as the pass ends). With
+    of the selected modules is clamped before it is accumulated into ``.grad`` (on a single device with
+    automatic optimization, no ``GradScaler`` and no accumulation, all in place as the pass ends). With
     ``mode="accumulated"`` the accumulated ``.grad`` is clamped in place in ``on_before_optimizer_step``.
 
     Frozen parameters are skipped; a shared parameter is clamped once. On logging steps the share of
