@@ -36,11 +36,9 @@ GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio",
 class HealthMonitor(StatsCallback):
     """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
 
-    Every ``log_every_n_steps`` optimizer steps it gathers, on device, per output unit of each
-    selected leaf module (a module without children) how many values were non-zero and their sum
-    of squares, and per layer the parameter-gradient statistics of :class:`GradStats` and the
-    update ratio ``||Δw|| / ||w||``; all of it is fetched with one host transfer and pooled across
-    DDP ranks; then it runs its checks on the host (every rank computes them, rank zero writes):
+    Every ``log_every_n_steps`` optimizer steps it gathers the outputs of each selected leaf module,
+    the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
+    ranks, and runs its checks (every rank computes them, rank zero writes):
 
     * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
       conv map, features of a linear output) exactly zero for every sample of the batch.
@@ -55,9 +53,7 @@ class HealthMonitor(StatsCallback):
       gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
     * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
       the median of the previous 100 steps; it names the layers whose gradient norm jumped most on
-      that step. This is the one check that costs something on quiet steps: each step's loss and
-      a vector of per-parameter gradient norms (one ``torch._foreach_norm``) are written into an
-      on-device ring, read at the next logging step without a host synchronisation in between.
+      that step. It is the one check that records every step, not only logging steps.
 
     The first four need ``patience`` consecutive logging steps. A finding that keeps holding stays
     one finding whose ``last_step`` advances. Each new finding is warned once (rank zero), the
@@ -177,7 +173,6 @@ class HealthMonitor(StatsCallback):
         """The last step checked in this fit."""
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy sent to another process or saved must not drag the model's parameters along.
         return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
 
     @property
@@ -225,7 +220,7 @@ class HealthMonitor(StatsCallback):
 
     @override
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
-        """Nothing: the unit counts are not traced into compiled graphs (see :meth:`_attach`)."""
+        """Nothing: the unit counts are not traced into compiled graphs."""
 
     @override
     def _detach(self) -> None:
@@ -246,7 +241,7 @@ class HealthMonitor(StatsCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._ring is not None:  # the step as read at the batch's start (only training runs backward)
+        if self._ring is not None:
             self._ring.loss(self._step_now(), loss)
 
     @override
@@ -399,9 +394,8 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 class _LossRing:
     """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
-    A step costs a ``detach`` of its loss and one ``torch._foreach_norm`` of the gradients; nothing is read from
-    the device: :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch,
-    which fetches them with everything else. At most ``size`` steps are kept.
+    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch; at most
+    ``size`` steps are kept.
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
@@ -426,11 +420,10 @@ class _LossRing:
         if step in self.grad_norms:  # a further optimizer of the step
             return
         zero = self.zero
-        # Under FSDP2, this process's shard of each gradient: the ring is read on rank zero, unpooled.
         grads = [zero if p.grad is None else local(p.grad) for p in self.params]
         try:
             norms = torch._foreach_norm(grads)
-        except (NotImplementedError, RuntimeError):  # a sparse gradient: no norm kernel takes it (no check per step)
+        except (NotImplementedError, RuntimeError):  # a sparse gradient
             norms = torch._foreach_norm([dense_gradient(g) for g in grads])
         self.grad_norms[step] = torch.stack(norms)
 

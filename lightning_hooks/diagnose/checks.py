@@ -94,17 +94,12 @@ def dead_units(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         share = dead / len(counts)
         is_dead = samples >= MIN_SAMPLES and share >= limits.dead_fraction
         if is_dead and not previous_dead:
-            found.append(
-                Evidence(
-                    "dead_units",
-                    (label(name),),
-                    share,
-                    limits.dead_fraction,
-                    f"{dead} of {len(counts)} output units of `{label(name)}` are zero for every sample of the batch "
-                    f"({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, or a "
-                    f"normalization layer before the activation.",
-                )
+            said = (
+                f"{dead} of {len(counts)} output units of `{label(name)}` are zero for every sample of the batch "
+                f"({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, or a "
+                f"normalization layer before the activation."
             )
+            found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
         previous_dead = is_dead
     return found
 
@@ -137,30 +132,20 @@ def gradient_spread(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     found = []
     for name in sorted(low, key=lambda n: means[n]):
         ratio = means[name] / median
-        found.append(
-            Evidence(
-                "vanishing_gradients",
-                (label(name),),
-                ratio,
-                1 / limits.gradient_spread,
-                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-                f"{means[name]:.2e} per element): its weights barely learn; try residual connections, normalization "
-                f"layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation.",
-            )
+        said = (
+            f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
+            f"{means[name]:.2e} per element): its weights barely learn; try residual connections, normalization "
+            f"layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation."
         )
+        found.append(Evidence("vanishing_gradients", (label(name),), ratio, 1 / limits.gradient_spread, said))
     for name in sorted(high, key=lambda n: -means[n]):
         ratio = means[name] / median
-        found.append(
-            Evidence(
-                "exploding_gradients",
-                (label(name),),
-                ratio,
-                limits.gradient_spread,
-                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-                f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
-                f"learning rate or warm-up.",
-            )
+        said = (
+            f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
+            f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
+            f"learning rate or warm-up."
         )
+        found.append(Evidence("exploding_gradients", (label(name),), ratio, limits.gradient_spread, said))
     return found
 
 
@@ -190,15 +175,8 @@ def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             )
         else:
             continue
-        found.append(
-            Evidence(
-                "update_ratio",
-                (label(name),),
-                ratio,
-                threshold,
-                f"each optimizer step changes the weights of `{label(name)}` {said}",
-            )
-        )
+        said = f"each optimizer step changes the weights of `{label(name)}` {said}"
+        found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
     return found
 
 
@@ -233,14 +211,8 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         named = [layer, *(n for n in named if n != layer)]
         note = f" `NonFiniteGuard` found at step {step}: {line}."
     first = min([*bad_losses, *([snap.guard[1]] if snap.guard else [])], default=None)
-    return [
-        Evidence(
-            "nonfinite",
-            tuple(named[:SHOWN_LAYERS]) or ("root",),
-            count,
-            0.0,
-            f"{said}; add `NonFiniteGuard()` to name the operation that made them, and look for a division by "
-            f"zero, a log or sqrt of a non-positive number, or an overflow.{note}",
-            step=first,
-        )
-    ]
+    said += (
+        "; add `NonFiniteGuard()` to name the operation that made them, and look for a division by zero, a log or "
+        f"sqrt of a non-positive number, or an overflow.{note}"
+    )
+    return [Evidence("nonfinite", tuple(named[:SHOWN_LAYERS]) or ("root",), count, 0.0, said, step=first)]

@@ -225,18 +225,13 @@ class HealthTracker:
         (first_step, before), (last_step, after) = run[0], run[-1]
         self._logged_norms.clear()  # the next finding needs a new run of rising norms
         grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
-        return [
-            Evidence(
-                "exploding_gradients",
-                tuple(label(n) for n in grew),
-                growth,
-                self.limits.norm_growth,
-                f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
-                f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
-                f"learning rate, or a smaller initialisation.",
-                step=first_step,
-            )
-        ]
+        said = (
+            f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
+            f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
+            f"learning rate, or a smaller initialisation."
+        )
+        layers = tuple(label(n) for n in grew)
+        return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
     def _activation_growth(self, snap: Snapshot) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of the layers before it, or of its own first logging step."""
@@ -258,16 +253,11 @@ class HealthTracker:
                     if depth >= time
                     else f"{time:.0f} times what it was at step {since}"
                 )
-                found.append(
-                    Evidence(
-                        "activation_growth",
-                        (label(name),),
-                        max(depth, time),
-                        limit,
-                        f"the output of `{label(name)}` has an RMS of {rms:.3g}, {how}: the next overflow is on its "
-                        f"way; try normalization layers, a smaller initialisation or a lower learning rate.",
-                    )
+                said = (
+                    f"the output of `{label(name)}` has an RMS of {rms:.3g}, {how}: the next overflow is on its "
+                    f"way; try normalization layers, a smaller initialisation or a lower learning rate."
                 )
+                found.append(Evidence("activation_growth", (label(name),), max(depth, time), limit, said))
             if rms > 0:
                 earlier.append(rms)
         return found
@@ -332,15 +322,12 @@ class HealthTracker:
             if worst
             else ""
         )
-        return Evidence(
-            "loss_spike",
-            tuple(label(n) for n in worst) or ("root",),
-            z,
-            self.limits.spike_threshold,
+        said = (
             f"the training loss jumped to {loss:.4g} at step {step} (recent median {median:.4g}, {z:.0f} robust "
-            f"deviations){where}; look at that batch, lower the learning rate, or clip gradients.",
-            step=step,
+            f"deviations){where}; look at that batch, lower the learning rate, or clip gradients."
         )
+        layers = tuple(label(n) for n in worst) or ("root",)
+        return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
 
 
 def _names(layers: Sequence[str]) -> str:

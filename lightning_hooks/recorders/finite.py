@@ -1,27 +1,13 @@
 """Finding the first module that made a NaN or an Inf, forward or backward (pure torch).
 
-A :class:`NonFiniteRecorder` puts a forward pre-hook and a forward hook on each module it is
-given. For every floating-point tensor a module call receives or returns it takes one on-device
-reduction, ``torch.aminmax``: a tensor is finite exactly when its minimum and maximum are (NaN
-propagates through both, an Inf shows as one of them), and the two numbers are the value range
-a report shows. A tensor seen before in the same step, unchanged (same object, same version
-counter), is not measured again: the output of one layer is usually the input of the next.
-The count of non-finite values is queued on device with the rest, and every reading crosses to
-the host in a single transfer when asked for.
-
-In backward, a tensor hook on each such tensor that requires grad measures the gradient that
-autograd computed for it; the hook is put on an input in the pre-hook, before the module can
-change the input in place, so it receives the gradient with respect to the value the module was
-given. A tensor shared by several modules (the output of one and the input of the next, or the
-input of several) gets one hook.
-
-:meth:`NonFiniteRecorder.find` turns the readings into a :class:`Finding`:
+A :class:`NonFiniteRecorder` hooks each module it is given and reduces every floating-point tensor
+a call receives or returns, and with ``check_backward`` its gradient, to its minimum, maximum and
+count of non-finite values on device; a tensor seen unchanged earlier in the step is not measured
+again. :meth:`NonFiniteRecorder.find` reads them with one transfer and returns a :class:`Finding`:
 
 * **forward**: the first call, in the order calls *finish*, whose outputs hold a NaN while none
-  of its inputs does, or an Inf while all its inputs are finite. Containers finish after their
-  children, so a leaf that made the value is found before the containers that pass it on; a
-  container is named when its own code between its children made it. A NaN made from an
-  ``-inf`` attention mask counts as made here; masks themselves do not count as findings.
+  of its inputs does, or an Inf while all its inputs are finite (so a leaf is named before the
+  containers that pass its values on).
 * **backward**: the first gradient, in the order autograd computes them, that is non-finite at
   the input of a module whose output gradients were finite (by the same NaN-over-Inf rule).
 * **loss**: non-finite values made after the model, in the loss.
@@ -59,7 +45,7 @@ class Readings:
     """
 
     def __init__(self) -> None:
-        self._items: list[Reading | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        self._items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -78,20 +64,19 @@ class Readings:
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[Reading], list[float]]:
         """Every reading, and the 0-d tensors ``extra`` as floats, with one device-to-host copy."""
-        queued = [(i, item) for i, item in enumerate(self._items) if not isinstance(item, Reading)]
-        bounds = [b for _, item in queued for b in item[:2]]
-        counts = [item[2] for _, item in queued]
+        bounds = [b for item in self._items for b in item[:2]]
+        counts = [item[2] for item in self._items]
         flat: list[float] = []
         tensors = [*bounds, *counts, *extra]
         if tensors:
             device = tensors[0].device
             # Stack each kind apart: a count must not be cast to a half-precision bound's dtype.
             parts = [torch.stack([t.to(device) for t in group]).double() for group in (bounds, counts, extra) if group]
-            flat = torch.cat(parts).tolist()  # the one host transfer
-        readings = [item if isinstance(item, Reading) else Reading(0.0, 0.0, 0) for item in self._items]
-        n = len(queued)
-        for k, (i, item) in enumerate(queued):
-            readings[i] = Reading(flat[2 * k], flat[2 * k + 1], item[3], int(flat[2 * n + k]))
+            flat = torch.cat(parts).tolist()
+        n = len(self._items)
+        readings = [
+            Reading(flat[2 * k], flat[2 * k + 1], item[3], int(flat[2 * n + k])) for k, item in enumerate(self._items)
+        ]
         return readings, flat[3 * n :]
 
 
@@ -136,8 +121,7 @@ class NonFiniteRecorder:
     """Record, per module call and per gradient, whether the values were finite; find the first that was not.
 
     Nothing is recorded while ``active`` is false. :meth:`find` reads everything recorded since
-    the last :meth:`clear` with one device-to-host transfer. The recorder keeps numbers and weak
-    references only, never a tensor.
+    the last :meth:`clear`. The recorder keeps numbers and weak references only, never a tensor.
 
     Args:
         check_backward: Also watch gradients with respect to module inputs and outputs.
@@ -170,7 +154,6 @@ class NonFiniteRecorder:
         return len(self.readings)
 
     def __getstate__(self) -> dict[str, Any]:
-        # A model pickled mid-step takes its hooks, and so this recorder, along: no weak references, no step.
         return {"check_backward": self.check_backward, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -396,9 +379,7 @@ def find_nonfinite(
 def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     """One 0-d tensor per gradient, finite whenever the gradient is: its 2-norm.
 
-    One fused call for all of them (``torch._foreach_norm``, what ``clip_grad_norm_`` uses); the
-    2-norm measured 2-3 times faster than the inf-norm. A NaN or Inf makes the norm non-finite;
-    so can finite values whose squares overflow, which :func:`parameter_readings` sorts out.
+    Finite values whose squares overflow make it non-finite too; :func:`parameter_readings` sorts them out.
     """
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
@@ -409,10 +390,8 @@ def finite_step(
 ) -> bool:
     """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
 
-    The gradients and losses are reduced to one float32 number on their device that is finite
-    when each of their values is (see :func:`_finite_total`), a set flag adding an Inf; then one
-    host transfer, the only one a healthy step costs. The tensors must share a device, as they do
-    in one Lightning process.
+    The tensors must share a device. A sum that overflows for finite values makes a healthy step
+    look bad (the replay then finds every value finite and says so).
 
     Example::
 
@@ -435,18 +414,12 @@ def finite_step(
 
 
 def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A float32 number, NaN or infinite when some value of ``tensors`` is (float32, so that finite half-precision
-    values cannot overflow it; a sum or a norm can also overflow for finite values, which only makes a healthy step
-    look bad: the replay then finds every value finite and says so).
-
-    On an accelerator, the sum of the tensors' norms: one fused ``torch._foreach_norm``. On the CPU the sum of
-    their values end to end instead: there ``_foreach_norm`` loops over the tensors and measured about three times
-    the instructions on the optimizer step of a 24-layer encoder (see docs/performance.md).
-    """
+    """A float32 number, NaN or infinite when some value of ``tensors`` is: the sum of their norms on an
+    accelerator, the sum of their values on the CPU."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
     parts, chunk, size = [], [], 0
-    for t in tensors:  # chunks of about CHUNK elements bound the flattened copy
+    for t in tensors:
         chunk.append(t)
         size += t.numel()
         if size >= CHUNK:
@@ -472,10 +445,7 @@ def parameter_readings(
     named: Sequence[tuple[str, torch.Tensor]], norms: Sequence[float]
 ) -> tuple[tuple[str, Reading], ...]:
     """The readings of the gradients that hold NaN or Inf, among those whose ``norms`` (from
-    :func:`grad_readings`) are not finite.
-
-    Counting reads each such gradient again: a cost paid only when something is wrong.
-    """
+    :func:`grad_readings`) are not finite."""
     out: list[tuple[str, Reading]] = []
     for (name, g), norm in zip(named, norms, strict=True):
         if not math.isfinite(norm):
