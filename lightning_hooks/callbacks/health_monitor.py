@@ -160,17 +160,13 @@ class HealthMonitor(StatsCallback):
         self._owner: dict[str, str] = {}
         self._numel: dict[str, int] = {}
         self._sharded = False
-        self._read: set[int] = set()
-        """The parameters whose gradients this logging step has read."""
-        self._grad_names: list[list[str]] = []
-        """The names behind each ``("grads", <i>)`` vector of this logging step."""
-        self._norm_layers: list[str] = []
-        """The layer (module label) of each watched parameter."""
+        self._read: set[int] = set()  # the parameters whose gradients this logging step has read
+        self._grad_names: list[list[str]] = []  # the names behind each ("grads", <i>) vector of this logging step
+        self._norm_layers: list[str] = []  # the layer (module label) of each watched parameter
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
         self._ring: _LossRing | None = None
-        self._checked_until = -1
-        """The last step checked in this fit."""
+        self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
@@ -333,23 +329,20 @@ class HealthMonitor(StatsCallback):
                     numel=self._numel[name], abs_sum=l1, sum_sq=l2_squared, nonfinite=float(not math.isfinite(l1))
                 )
                 params.setdefault(self._owner[name], []).append(state)
-        changes: dict[str, list[float]] = {}
-        weights: dict[str, list[float]] = {}
+        squares: dict[str, list[tuple[float, float]]] = {}  # per layer, ||Δw||² and ||w||² of each parameter
         for (group, name), value in fetched.scalars.items():
-            norm = fetched.scalars.get(("wnorm", name), math.nan)
             if group == "ratio":
-                layer = self._owner.get(name, name)
-                changes.setdefault(layer, []).append((value * norm) ** 2)
-                weights.setdefault(layer, []).append(norm**2)
+                norm = fetched.scalars.get(("wnorm", name), math.nan)
+                squares.setdefault(self._owner.get(name, name), []).append(((value * norm) ** 2, norm**2))
         for (group, name), change in fetched.states.items():  # sharded parameters: pooled squares of Δw and w
             if group == "update":
-                layer = self._owner.get(name, name)
-                changes.setdefault(layer, []).append(max(change.sum_sq, 0.0))
-                weights.setdefault(layer, []).append(max(fetched.states[("weight", name)].sum_sq, 0.0))
-        ratios, weight_norms = {}, {}
-        for layer, squares in weights.items():
-            weight_norms[layer] = math.sqrt(math.fsum(squares))
-            ratios[layer] = math.sqrt(math.fsum(changes[layer])) / max(weight_norms[layer], 1e-12)
+                weight = max(fetched.states[("weight", name)].sum_sq, 0.0)
+                squares.setdefault(self._owner.get(name, name), []).append((max(change.sum_sq, 0.0), weight))
+        weight_norms = {layer: math.sqrt(math.fsum(w for _, w in pairs)) for layer, pairs in squares.items()}
+        ratios = {
+            layer: math.sqrt(math.fsum(c for c, _ in pairs)) / max(weight_norms[layer], 1e-12)
+            for layer, pairs in squares.items()
+        }
         losses: list[tuple[int, float]] = []
         norms: list[list[float]] = []
         if ring_steps:

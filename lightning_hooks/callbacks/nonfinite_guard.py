@@ -49,35 +49,23 @@ class NonFiniteError(FloatingPointError):
 class NonFiniteGuard(HookCallback):
     """Name the first layer that made a NaN or an Inf, forward or backward, and stop, warn or skip the step.
 
-    Every ``check_every_n_steps``-th optimizer step, from step 0, is checked in
-    ``on_before_optimizer_step`` (after AMP unscaling and DDP's all-reduce, before gradient clipping
-    and the optimizer step), before the weights change.
+    Every ``check_every_n_steps``-th optimizer step, from step 0, is checked in ``on_before_optimizer_step``
+    (after AMP unscaling and DDP's all-reduce), before the weights change. The report names, forward first:
+    the first module, in the order calls finish, whose output holds a NaN while its inputs hold none, or an
+    Inf while its inputs are finite (its class, output path, count of bad values and input ranges); else a
+    non-finite loss; else the first module whose input gradient turned non-finite while its output gradients
+    were finite; and every parameter whose gradient is non-finite, with the step and batch index.
 
-    * ``mode="replay"``: no hook on a healthy step, only a check that its losses and parameter
-      gradients are finite (a ``GradScaler``'s ``found_inf`` stands for the gradients). When it
-      fails, the step's micro-batches are replayed through ``training_step`` from the same batch
-      objects, generator states and train/eval flags, with the hooks of ``mode="eager"``; no
-      ``.grad`` changes, generators, flags and buffers are put back and ``self.log`` calls are
-      dropped. Manual optimization, ``training_step(dataloader_iter)`` and distributed strategies
-      other than DDP use ``mode="eager"`` and say so once.
-    * ``mode="eager"``: forward hooks on the selected modules (and, with ``check_backward``, tensor
-      hooks on the gradients) on every checked step; it also sees what never reaches the loss or
-      the gradients (a NaN masked out by ``torch.where``).
+    ``mode="replay"`` hooks nothing on a healthy step and only checks that its losses and gradients are
+    finite; a step that fails is replayed through ``training_step`` with the hooks on, changing no ``.grad``,
+    generator, train/eval flag or buffer, and dropping its ``self.log`` calls. ``mode="eager"`` hooks every
+    checked step and also sees NaNs that never reach the loss or the gradients. Manual optimization,
+    ``training_step(dataloader_iter)`` and distributed strategies other than DDP use ``mode="eager"`` and say
+    so once. Under DDP the ranks agree on the verdict and the report, which names the rank.
 
-    Compiled regions run eagerly while the hooks are on. The report, forward first:
-
-    * forward: the first call, in the order calls finish, whose output holds a NaN while its inputs
-      hold none, or an Inf while its inputs are finite; its name, class, output path, how many
-      values are bad, and the range of each input.
-    * loss: every output finite but the loss is not.
-    * backward: the first gradient, in the order autograd computes them, non-finite at a module's
-      input while the gradients at its outputs were finite (every module sharing the input is named).
-    * every parameter of the optimizer whose gradient is non-finite, and the step and batch index.
-
-    Actions: ``raise`` logs the report, flushes the logger and raises :class:`NonFiniteError` (a
-    ``FloatingPointError``); ``warn`` logs every finding and warns once per layer; ``skip_step``
-    does what ``warn`` does and sets every gradient of the optimizer to ``None``, so that its step
-    changes neither the weights nor its state. A step without an optimizer step cannot be skipped.
+    ``raise`` logs the report, flushes the logger and raises :class:`NonFiniteError`; ``warn`` logs every
+    finding and warns once per layer; ``skip_step`` does what ``warn`` does and sets the optimizer's gradients
+    to ``None``, so that its step changes neither the weights nor its state.
 
     Logged: text ``nonfinite/first_layer`` (the report, at each finding) and scalar
     ``nonfinite/skipped_steps`` (the running count of skipped steps).
@@ -88,7 +76,6 @@ class NonFiniteGuard(HookCallback):
         * In-place ops outside modules (``out += identity``) are seen as made by the enclosing module.
         * Modules whose outputs are meant to be infinite (a ``-inf`` mask) are findings: ``exclude`` them.
         * A replay runs the Python side effects of ``training_step`` (counters, metric updates) again.
-        * Under DDP every rank reaches the same verdict, and a report names the rank that found it.
 
     Args:
         check_every_n_steps: Check every this many optimizer steps, from step 0.

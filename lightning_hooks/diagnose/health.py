@@ -107,8 +107,7 @@ class HealthTracker:
         self.checks, self.limits = list(checks), limits
         self.findings: list[HealthFinding] = []
         self._index: dict[tuple[str, tuple[str, ...]], int] = {}
-        self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}
-        """Per (check, layers): (first step of the current streak, its length in logging steps)."""
+        self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}  # first step, length in logging steps
         self._step_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
         self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
         self._top_median = 0.0

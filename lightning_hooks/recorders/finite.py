@@ -1,17 +1,9 @@
 """Finding the first module that made a NaN or an Inf, forward or backward (pure torch).
 
-A :class:`NonFiniteRecorder` hooks each module it is given and reduces every floating-point tensor
-a call receives or returns, and with ``check_backward`` its gradient, to its minimum, maximum and
-count of non-finite values on device; a tensor seen unchanged earlier in the step is not measured
-again. :meth:`NonFiniteRecorder.find` reads them with one transfer and returns a :class:`Finding`:
-
-* **forward**: the first call, in the order calls *finish*, whose outputs hold a NaN while none
-  of its inputs does, or an Inf while all its inputs are finite (so a leaf is named before the
-  containers that pass its values on).
-* **backward**: the first gradient, in the order autograd computes them, that is non-finite at
-  the input of a module whose output gradients were finite (by the same NaN-over-Inf rule).
-* **loss**: non-finite values made after the model, in the loss.
-* otherwise, where non-finite values first *entered* the selected modules from outside them.
+A :class:`NonFiniteRecorder` hooks the modules it is given and reduces every floating-point tensor a
+call receives or returns (and, with ``check_backward``, its gradient) to its range and count of
+non-finite values on device; :meth:`NonFiniteRecorder.find` reads them all at once and names the
+first module that made non-finite values from finite ones.
 """
 
 from __future__ import annotations
@@ -101,13 +93,6 @@ class _Seen:
     group: int | None = None
 
 
-@dataclass
-class _GradGroup:
-    """A tensor whose gradient is watched, and the roles it plays: ``(call, path, is_output)``."""
-
-    roles: list[tuple[int, str, bool]] = field(default_factory=list)
-
-
 def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int:
     return max((readings[slot].severity for _, slot in slots), default=FINITE)
 
@@ -143,7 +128,8 @@ class NonFiniteRecorder:
         self.readings = Readings()
         self.calls: list[_Call] = []
         self.finished: list[int] = []
-        self.groups: list[_GradGroup] = []
+        self.groups: list[list[tuple[int, str, bool]]] = []
+        """Per tensor whose gradient is watched, the roles it plays: ``(call, path, is_output)``."""
         self.events: list[tuple[int, int]] = []
         self.losses: list[int] = []
         self._open: dict[str, list[int]] = {}
@@ -183,11 +169,11 @@ class NonFiniteRecorder:
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
         if seen.group is None:
             seen.group = len(self.groups)
-            self.groups.append(_GradGroup())
+            self.groups.append([])
             t.register_hook(_GradProbe(self, seen.group, self.generation))
             if self.keep is not None:
                 self.keep.append(t)
-        self.groups[seen.group].roles.append((call, path, output))
+        self.groups[seen.group].append((call, path, output))
 
     def _record(self, tensors: list[tuple[str, torch.Tensor]], call: int, output: bool) -> None:
         slots = self.calls[call].outputs if output else self.calls[call].inputs
@@ -200,10 +186,15 @@ class NonFiniteRecorder:
                 self._watch(t, seen, call, path, output)
 
     def find(self, extra: Sequence[torch.Tensor] = ()) -> tuple[Finding | None, list[float]]:
-        """Read everything (one transfer, ``extra`` 0-d tensors too) and find the first non-finite values.
+        """Read everything (``extra`` 0-d tensors too, returned as floats) and find the first non-finite values.
 
-        Forward findings come first, then the loss, then backward; ``None`` when all was finite.
-        The values of ``extra`` are returned as floats.
+        * forward: the first call, in the order calls *finish*, whose outputs hold a NaN while none of its
+          inputs does, or an Inf while all its inputs are finite;
+        * loss: non-finite values made after the model;
+        * backward: the first gradient, in the order autograd computes them, non-finite at the input of a
+          module whose output gradients were finite (by the same NaN-over-Inf rule);
+        * otherwise, where non-finite values first *entered* the selected modules;
+        * ``None`` when all was finite.
         """
         readings, rest = self.readings.read(extra)
         bad = {slot for slot, r in enumerate(readings) if r.nonfinite}
@@ -259,7 +250,7 @@ class NonFiniteRecorder:
         out_worst: dict[int, int] = {}
         out_grads: dict[int, list[tuple[str, int]]] = {}
         for group, slot in self.events:
-            for call, path, output in self.groups[group].roles:
+            for call, path, output in self.groups[group]:
                 if output:
                     out_worst[call] = max(out_worst.get(call, FINITE), readings[slot].severity)
                     out_grads.setdefault(call, []).append((path, slot))
@@ -268,7 +259,7 @@ class NonFiniteRecorder:
             bad = readings[slot].severity
             if bad == FINITE:
                 continue
-            roles = self.groups[group].roles
+            roles = self.groups[group]
             makers = [(c, p) for c, p, output in roles if not output and out_worst.get(c, FINITE) < bad]
             if makers:
                 # A container and its first child share their input: name the innermost.
@@ -288,7 +279,7 @@ class NonFiniteRecorder:
         if first is None:
             return None
         group, slot = first
-        roles = self.groups[group].roles
+        roles = self.groups[group]
         call, path, _ = next((r for r in roles if r[2]), roles[0])
         return self._call_finding("backward", call, tensor=(path, readings[slot]), made_here=False)
 
