@@ -166,10 +166,7 @@ class HealthTracker:
 
     def _going_on(self, e: Evidence) -> HealthFinding | None:
         """A finding of ``e``'s check that held at the previous logging step."""
-        return next(
-            (f for f in self.findings if f.check == e.check and f.last_step == self._previous_step),
-            None,
-        )
+        return next((f for f in self.findings if f.check == e.check and f.last_step == self._previous_step), None)
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)

@@ -212,13 +212,7 @@ class NonFiniteRecorder:
         call = self.calls[index]
         same = [i for i, c in enumerate(self.calls) if c.name == call.name]
         return Finding(
-            phase,
-            call.name,
-            call.type,
-            batch_idx=call.batch_idx,
-            call=same.index(index) + 1,
-            calls=len(same),
-            **kwargs,
+            phase, call.name, call.type, batch_idx=call.batch_idx, call=same.index(index) + 1, calls=len(same), **kwargs
         )
 
     def _forward(self, readings: list[Reading]) -> Finding | None:
