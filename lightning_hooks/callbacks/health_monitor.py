@@ -40,8 +40,8 @@ class HealthMonitor(StatsCallback):
     the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
     ranks, and runs its checks (every rank computes them, rank zero writes):
 
-    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
-      conv map, features of a linear output) exactly zero for every sample of the batch.
+    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units exactly zero for
+      every sample of the batch.
     * ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
       ``gradient_spread`` times below / above the median layer's; or the total gradient norm rising
       at each of ``patience`` logging steps and ``norm_growth``-fold over them.
@@ -52,15 +52,13 @@ class HealthMonitor(StatsCallback):
     * ``nonfinite``: NaN/Inf in a layer's output (the first in model order), else in a parameter
       gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
     * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
-      the median of the previous 100 steps; it names the layers whose gradient norm jumped most on
-      that step. It is the one check that records every step, not only logging steps.
+      the median of the previous 100 steps, naming the layers whose gradient norm jumped most.
 
-    The first four need ``patience`` consecutive logging steps. A finding that keeps holding stays
-    one finding whose ``last_step`` advances. Each new finding is warned once (rank zero), the
-    table of findings is logged as text ``health/findings`` whenever a new one appears, the
-    scalars ``health/<check>`` (how many layers are affected) at every logging step, and a summary
-    is printed when the fit ends. :attr:`findings` holds them as :class:`HealthFinding` objects.
-    Without a logger (``Trainer(logger=False)``) it still checks, warns, prints and keeps findings.
+    The first four need ``patience`` consecutive logging steps; a finding that keeps holding has its
+    ``last_step`` advanced. Each new finding is warned once; the table of findings is logged as text
+    ``health/findings`` when a new one appears, the scalars ``health/<check>`` (how many layers are
+    affected) at every logging step, and a summary is printed when the fit ends; :attr:`findings` holds
+    them. Without a logger it still checks, warns, prints and keeps findings.
 
     Args:
         log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.

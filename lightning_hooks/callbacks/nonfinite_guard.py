@@ -355,8 +355,7 @@ class NonFiniteGuard(HookCallback):
             self._skipping = True
             self.skipped_steps += 1
             self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
-        key = f"{finding.phase}:{finding.layer}" if finding is not None else ""
-        if finding is not None and key not in self._warned:
+        if finding is not None and (key := f"{finding.phase}:{finding.layer}") not in self._warned:
             self._warned.add(key)
             rank_zero_warn(
                 f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n"

@@ -101,9 +101,9 @@ class Finding:
         if self.calls > 1:
             who += f", call {self.call} of {self.calls}"
         path, reading = self.tensor or ("", Reading(math.nan, math.nan, 0))
+        out = f"output `{path}`" if path else "output"
         lines: list[str] = []
         if self.phase == "forward":
-            out = f"output `{path}`" if path else "output"
             if self.made_here:
                 lines.append(f"forward: {who} made non-finite values from finite inputs; {out}: {reading.bad()}")
                 lines.append(f"inputs: {_ranges(self.given, 'input')}")
@@ -135,7 +135,6 @@ class Finding:
                         f"theirs, so any of these may have made it"
                     )
             else:
-                out = f"output `{path}`" if path else "output"
                 lines.append(
                     f"backward: the gradient w.r.t. the {out} of {who} was already non-finite when it arrived "
                     f"({reading.bad()}): it was made after the selected modules, in the loss or in code between them"

@@ -153,9 +153,9 @@ class HealthTracker:
             del self._streaks[key]
         for e in immediate:
             step = snap.step if e.step is None else e.step
-            going_on = self._going_on(e) if e.check == "nonfinite" else None
-            if going_on is not None:  # NaN spreads: the same finding, wherever it has got to
-                e = replace(e, layers=going_on.layers)
+            if e.check == "nonfinite":  # NaN spreads: a finding that held at the previous logging step goes on
+                going_on = [f for f in self.findings if f.check == e.check and f.last_step == self._previous_step]
+                e = replace(e, layers=going_on[0].layers) if going_on else e
             new += self._record(e, step, snap.step if e.check == "nonfinite" else step)
         self._previous_step = snap.step
         layers: dict[str, set[str]] = {check: set() for check in self.checks}
@@ -163,10 +163,6 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
-
-    def _going_on(self, e: Evidence) -> HealthFinding | None:
-        """A finding of ``e``'s check that held at the previous logging step."""
-        return next((f for f in self.findings if f.check == e.check and f.last_step == self._previous_step), None)
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)
