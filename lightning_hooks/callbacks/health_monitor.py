@@ -36,14 +36,12 @@ GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio",
 class HealthMonitor(StatsCallback):
     """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
 
-    Every ``log_every_n_steps`` optimizer steps it gathers, on device, per output unit of each
-    selected leaf module (a module without children) how many values were non-zero and their sum
-    of squares, and per layer the parameter-gradient statistics of :class:`GradStats` and the
-    update ratio ``||Δw|| / ||w||``; all of it is fetched with one host transfer and pooled across
-    DDP ranks; then it runs its checks on the host (every rank computes them, rank zero writes):
+    Every ``log_every_n_steps`` optimizer steps it gathers the outputs of each selected leaf module,
+    the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
+    ranks, and runs its checks (every rank computes them, rank zero writes):
 
-    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units (channels of a
-      conv map, features of a linear output) exactly zero for every sample of the batch.
+    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units exactly zero for
+      every sample of the batch.
     * ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
       ``gradient_spread`` times below / above the median layer's; or the total gradient norm rising
       at each of ``patience`` logging steps and ``norm_growth``-fold over them.
@@ -54,17 +52,13 @@ class HealthMonitor(StatsCallback):
     * ``nonfinite``: NaN/Inf in a layer's output (the first in model order), else in a parameter
       gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
     * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
-      the median of the previous 100 steps; it names the layers whose gradient norm jumped most on
-      that step. This is the one check that costs something on quiet steps: each step's loss and
-      a vector of per-parameter gradient norms (one ``torch._foreach_norm``) are written into an
-      on-device ring, read at the next logging step without a host synchronisation in between.
+      the median of the previous 100 steps, naming the layers whose gradient norm jumped most.
 
-    The first four need ``patience`` consecutive logging steps. A finding that keeps holding stays
-    one finding whose ``last_step`` advances. Each new finding is warned once (rank zero), the
-    table of findings is logged as text ``health/findings`` whenever a new one appears, the
-    scalars ``health/<check>`` (how many layers are affected) at every logging step, and a summary
-    is printed when the fit ends. :attr:`findings` holds them as :class:`HealthFinding` objects.
-    Without a logger (``Trainer(logger=False)``) it still checks, warns, prints and keeps findings.
+    The first four need ``patience`` consecutive logging steps; a finding that keeps holding has its
+    ``last_step`` advanced. Each new finding is warned once; the table of findings is logged as text
+    ``health/findings`` when a new one appears, the scalars ``health/<check>`` (how many layers are
+    affected) at every logging step, and a summary is printed when the fit ends; :attr:`findings` holds
+    them. Without a logger it still checks, warns, prints and keeps findings.
 
     Args:
         log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.
@@ -164,20 +158,15 @@ class HealthMonitor(StatsCallback):
         self._owner: dict[str, str] = {}
         self._numel: dict[str, int] = {}
         self._sharded = False
-        self._read: set[int] = set()
-        """The parameters whose gradients this logging step has read."""
-        self._grad_names: list[list[str]] = []
-        """The names behind each ``("grads", <i>)`` vector of this logging step."""
-        self._norm_layers: list[str] = []
-        """The layer (module label) of each watched parameter."""
+        self._read: set[int] = set()  # the parameters whose gradients this logging step has read
+        self._grad_names: list[list[str]] = []  # the names behind each ("grads", <i>) vector of this logging step
+        self._norm_layers: list[str] = []  # the layer (module label) of each watched parameter
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
         self._ring: _LossRing | None = None
-        self._checked_until = -1
-        """The last step checked in this fit."""
+        self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy sent to another process or saved must not drag the model's parameters along.
         return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
 
     @property
@@ -225,7 +214,7 @@ class HealthMonitor(StatsCallback):
 
     @override
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
-        """Nothing: the unit counts are not traced into compiled graphs (see :meth:`_attach`)."""
+        """Nothing: the unit counts are not traced into compiled graphs."""
 
     @override
     def _detach(self) -> None:
@@ -246,7 +235,7 @@ class HealthMonitor(StatsCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._ring is not None:  # the step as read at the batch's start (only training runs backward)
+        if self._ring is not None:
             self._ring.loss(self._step_now(), loss)
 
     @override
@@ -338,23 +327,20 @@ class HealthMonitor(StatsCallback):
                     numel=self._numel[name], abs_sum=l1, sum_sq=l2_squared, nonfinite=float(not math.isfinite(l1))
                 )
                 params.setdefault(self._owner[name], []).append(state)
-        changes: dict[str, list[float]] = {}
-        weights: dict[str, list[float]] = {}
+        squares: dict[str, list[tuple[float, float]]] = {}  # per layer, ||Δw||² and ||w||² of each parameter
         for (group, name), value in fetched.scalars.items():
-            norm = fetched.scalars.get(("wnorm", name), math.nan)
             if group == "ratio":
-                layer = self._owner.get(name, name)
-                changes.setdefault(layer, []).append((value * norm) ** 2)
-                weights.setdefault(layer, []).append(norm**2)
+                norm = fetched.scalars.get(("wnorm", name), math.nan)
+                squares.setdefault(self._owner.get(name, name), []).append(((value * norm) ** 2, norm**2))
         for (group, name), change in fetched.states.items():  # sharded parameters: pooled squares of Δw and w
             if group == "update":
-                layer = self._owner.get(name, name)
-                changes.setdefault(layer, []).append(max(change.sum_sq, 0.0))
-                weights.setdefault(layer, []).append(max(fetched.states[("weight", name)].sum_sq, 0.0))
-        ratios, weight_norms = {}, {}
-        for layer, squares in weights.items():
-            weight_norms[layer] = math.sqrt(math.fsum(squares))
-            ratios[layer] = math.sqrt(math.fsum(changes[layer])) / max(weight_norms[layer], 1e-12)
+                weight = max(fetched.states[("weight", name)].sum_sq, 0.0)
+                squares.setdefault(self._owner.get(name, name), []).append((max(change.sum_sq, 0.0), weight))
+        weight_norms = {layer: math.sqrt(math.fsum(w for _, w in pairs)) for layer, pairs in squares.items()}
+        ratios = {
+            layer: math.sqrt(math.fsum(c for c, _ in pairs)) / max(weight_norms[layer], 1e-12)
+            for layer, pairs in squares.items()
+        }
         losses: list[tuple[int, float]] = []
         norms: list[list[float]] = []
         if ring_steps:
@@ -399,9 +385,8 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 class _LossRing:
     """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
-    A step costs a ``detach`` of its loss and one ``torch._foreach_norm`` of the gradients; nothing is read from
-    the device: :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch,
-    which fetches them with everything else. At most ``size`` steps are kept.
+    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch; at most
+    ``size`` steps are kept.
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
@@ -426,11 +411,10 @@ class _LossRing:
         if step in self.grad_norms:  # a further optimizer of the step
             return
         zero = self.zero
-        # Under FSDP2, this process's shard of each gradient: the ring is read on rank zero, unpooled.
         grads = [zero if p.grad is None else local(p.grad) for p in self.params]
         try:
             norms = torch._foreach_norm(grads)
-        except (NotImplementedError, RuntimeError):  # a sparse gradient: no norm kernel takes it (no check per step)
+        except (NotImplementedError, RuntimeError):  # a sparse gradient
             norms = torch._foreach_norm([dense_gradient(g) for g in grads])
         self.grad_norms[step] = torch.stack(norms)
 

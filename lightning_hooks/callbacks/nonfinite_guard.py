@@ -49,105 +49,33 @@ class NonFiniteError(FloatingPointError):
 class NonFiniteGuard(HookCallback):
     """Name the first layer that made a NaN or an Inf, forward or backward, and stop, warn or skip the step.
 
-    A far cheaper ``torch.autograd.detect_anomaly`` that also watches forward, in one of two modes.
+    Every ``check_every_n_steps``-th optimizer step, from step 0, is checked in ``on_before_optimizer_step``
+    (after AMP unscaling and DDP's all-reduce), before the weights change. The report names, forward first:
+    the first module, in the order calls finish, whose output holds a NaN while its inputs hold none, or an
+    Inf while its inputs are finite (its class, output path, count of bad values and input ranges); else a
+    non-finite loss; else the first module whose input gradient turned non-finite while its output gradients
+    were finite; and every parameter whose gradient is non-finite, with the step and batch index.
 
-    **mode="replay"** (the default): free on healthy steps, exact on the step that goes bad.
-    On each checked optimizer step (every ``check_every_n_steps``-th, from step 0) no hook is
-    attached; a *sentinel* checks the step in ``on_before_optimizer_step`` (after AMP unscaling
-    and after DDP's all-reduce of the gradients): one on-device reduction of the parameter
-    gradients (:func:`~lightning_hooks.recorders.finite.finite_step`) with the losses of the step's
-    micro-batches, read with one host transfer. Under a ``GradScaler`` its own ``found_inf`` stands for the gradients.
-    All the sentinel keeps meanwhile is a reference to each micro-batch (never a copy), the
-    random-number-generator states (CPU, and the accelerator's) and the train/eval flags each
-    started with. When it fires, before the optimizer has changed anything, the step's
-    micro-batches are *replayed*: ``training_step`` runs again on the same batch objects from
-    the same generator and train/eval states, under the precision plugin's autocast, with the
-    hooks of ``mode="eager"`` attached, and each loss is differentiated with respect to the
-    recorded activations only (``torch.autograd.grad``), so that no parameter's ``.grad``
-    changes and DDP's reducer does not fire. The generators, train/eval flags and buffers
-    (batch-norm running statistics) are put back afterwards, and ``self.log`` calls made by the
-    replayed ``training_step`` are dropped: nothing is logged twice. If the replay finds every
-    value finite although the step's loss was not (a non-deterministic kernel, a batch that
-    ``training_step`` changes in place), the report says so and names what the sentinel saw.
-    Manual optimization, where replaying ``training_step`` would step the optimizer again, a
-    ``training_step(dataloader_iter)``, and distributed strategies other than DDP use
-    ``mode="eager"`` and say so once.
+    ``mode="replay"`` hooks nothing on a healthy step and only checks that its losses and gradients are
+    finite; a step that fails is replayed through ``training_step`` with the hooks on, changing no ``.grad``,
+    generator, train/eval flag or buffer, and dropping its ``self.log`` calls. ``mode="eager"`` hooks every
+    checked step and also sees NaNs that never reach the loss or the gradients. Manual optimization,
+    ``training_step(dataloader_iter)`` and distributed strategies other than DDP use ``mode="eager"`` and say
+    so once. Under DDP the ranks agree on the verdict and the report, which names the rank.
 
-    **mode="eager"**: on a checked step, all micro-batches of it, each selected module gets a
-    forward pre-hook and a forward hook, removed when the step ends unless the next step is
-    checked too (then they stay, switched off between batches); on steps that are not checked
-    nothing is attached and nothing is computed. It reads every activation of every checked
-    step, and catches what never reaches the loss
-    or the gradients (a NaN in a branch masked out by ``torch.where``), which the replay's
-    sentinel cannot see.
+    ``raise`` logs the report, flushes the logger and raises :class:`NonFiniteError`; ``warn`` logs every
+    finding and warns once per layer; ``skip_step`` does what ``warn`` does and sets the optimizer's gradients
+    to ``None``, so that its step changes neither the weights nor its state.
 
-    **torch.compile.** Compiled code does not call hooks attached after it was compiled: the
-    replay, and the checked batches of ``mode="eager"`` when selected modules are inside a
-    compiled region, run the compiled code eagerly (``torch.compiler.set_stance("force_eager")``)
-    so that the hooks fire. The sentinel of a healthy step runs outside the graphs and changes
-    nothing in them.
-
-    **What the hooks see.** The pre-hook reduces each floating-point input of a call to its
-    minimum and maximum on the device (one ``torch.aminmax`` kernel; NaN propagates into both, an
-    Inf shows in one), the forward hook does the same for each output, nested ones included. A
-    tensor already measured in the step and not changed since (an output that is the next
-    layer's input) is not measured again. With ``check_backward``, a tensor hook on each of those
-    tensors that requires grad measures its gradient in backward; the hook on an input is put on
-    in the pre-hook, so it sees the gradient with respect to the value the module was *given*
-    even when the module then modifies it in place (``ReLU(inplace=True)``), which
-    ``register_full_backward_hook`` cannot do. Nothing reaches the host until the checked step
-    ends: in ``on_before_optimizer_step`` (after AMP unscaling, before gradient clipping and the
-    optimizer step) every reading, the loss and one fused reading of all of the optimizer's
-    parameter gradients cross in one transfer.
-
-    **What it reports**, forward first, since a NaN loss makes every gradient NaN:
-
-    * forward: the first call, in the order calls *finish*, whose output holds a NaN while its
-      inputs hold none, or an Inf while its inputs are finite: its qualified name and class, the
-      output's path inside a nested output, how many values are bad, and the range of each input.
-      Containers finish after their children, so the leaf that made the value is named, not the
-      containers that pass it on; a container is named when its own code made it (``torch.log``
-      in its ``forward``). An Inf coming in (a ``-inf`` attention mask) does not excuse a NaN
-      going out: the module that turns a fully masked row into NaN is named.
-    * loss: all outputs finite but the loss is not.
-    * backward: the first gradient, in the order autograd computes them, that is non-finite at
-      a module's input while the gradients at its outputs were finite; an input several modules
-      share gets the sum of their gradients, so all of them are named.
-    * every parameter of the optimizer whose gradient is non-finite, selected module or not (a
-      NaN anywhere would reach the weights), and the step and batch index.
-    * where nothing made them, where non-finite values first came in (the batch, the loss).
-
-    **Actions.** ``raise``: logs the report to TensorBoard text ``nonfinite/first_layer``,
-    flushes the logger and raises :class:`NonFiniteError` (a ``FloatingPointError``) before the
-    weights change; Lightning then calls ``on_exception``, which removes every hook. ``warn``:
-    logs the report at every finding and warns once per layer. ``skip_step``: does what ``warn``
-    does, sets every gradient of the optimizer to ``None`` so that its step changes neither the
-    weights nor its state (momentum, Adam moments, step counts; zeros would still move them),
-    and logs the running count ``nonfinite/skipped_steps``. A step found bad in a batch without
-    an optimizer step (manual optimization) cannot be skipped; it is reported.
+    Logged: text ``nonfinite/first_layer`` (the report, at each finding) and scalar
+    ``nonfinite/skipped_steps`` (the running count of skipped steps).
 
     .. warning::
-        * **AMP with a GradScaler**: during the scale search, Inf gradients are normal and the
-          scaler skips those steps itself, so backward and parameter findings are reported only
-          when the scaler will take the step. Forward findings are always reported, saying that
-          a scaler is active: the forward pass does not depend on the scale (an fp16 overflow in
-          forward makes the scaler skip every step; ``bf16-mixed`` avoids it). In replay mode
-          each step the scaler skips is replayed (forward only) to look for such a finding.
-        * **In-place ops outside modules** (``out += identity`` in a ``forward``) are seen as
-          made by the enclosing module; a module that creates a NaN *in place* in its input is
-          seen the same way.
-        * **Modules whose outputs are meant to be infinite** (one that builds a ``-inf`` mask)
-          are findings: leave them out with ``exclude``.
-        * **What a replay runs twice**: Python side effects of ``training_step`` (counters, a
-          ``torchmetrics`` metric updated there) happen again on the replayed step; the hooks of
-          this package's other callbacks sleep through it.
-        * **DDP**: in replay mode the sentinel reads the all-reduced gradients, so every rank
-          reaches the same verdict without a collective (a loss that is non-finite on one rank
-          only counts through the gradients it makes); each rank replays its own micro-batches,
-          and on a failing step only the ranks agree on the report with one
-          ``all_gather_object``: every rank raises or skips, and the report names the rank. In
-          eager mode ranks agree (one small all-reduce per checked step) on whether to raise or
-          skip.
+        * With a ``GradScaler``, backward and parameter findings are reported only when the scaler
+          will take the step; forward findings always, saying that a scaler is active.
+        * In-place ops outside modules (``out += identity``) are seen as made by the enclosing module.
+        * Modules whose outputs are meant to be infinite (a ``-inf`` mask) are findings: ``exclude`` them.
+        * A replay runs the Python side effects of ``training_step`` (counters, metric updates) again.
 
     Args:
         check_every_n_steps: Check every this many optimizer steps, from step 0.
@@ -158,7 +86,7 @@ class NonFiniteGuard(HookCallback):
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
-        mode: ``"replay"``: a sentinel on every checked step, hooks only to replay a step that
+        mode: ``"replay"``: a finiteness check on every checked step, hooks only to replay a step that
             failed it. ``"eager"``: hooks on every checked step.
 
     Example::
@@ -203,7 +131,6 @@ class NonFiniteGuard(HookCallback):
         self._scaler: torch.amp.GradScaler | None = None
         self._param_names: dict[int, str] = {}
         self._compiled = False
-        """Whether some selected module is inside a compiled region (eager mode runs checked batches eagerly)."""
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -230,7 +157,6 @@ class NonFiniteGuard(HookCallback):
         self._every_module = []
 
     def __getstate__(self) -> dict[str, Any]:
-        # Neither the model's modules nor a step's batches travel with a copy of the callback.
         return {**super().__getstate__(), "_every_module": [], "_micro_batches": []}
 
     def _disarm(self) -> None:
@@ -251,7 +177,7 @@ class NonFiniteGuard(HookCallback):
             if step is None:
                 return
             self.gate.begin(step, due=True)
-        if not self._eager:  # the sentinel: keep what a replay would need, attach nothing
+        if not self._eager:
             start = RngState.capture(self._device), training_flags(self._every_module)
             self._micro_batches.append(MicroBatch(batch, batch_idx, *start))
             return
@@ -259,7 +185,7 @@ class NonFiniteGuard(HookCallback):
             self._recorder.clear()
         self._recorder.batch_idx = batch_idx
         self._recorder.active = True
-        run_eager(self, self._compiled)  # compiled code would not call hooks attached now
+        run_eager(self, self._compiled)
         if not len(self._step_handles):  # still on when the previous step was checked too
             self._recorder.attach(self._modules, self._step_handles)
 
@@ -278,7 +204,7 @@ class NonFiniteGuard(HookCallback):
     ) -> None:
         if self.gate.step is None:
             return
-        if self._skipping:  # a further optimizer of a step already found bad
+        if self._skipping:
             _drop_gradients(optimizer)
             return
         if self._eager:
@@ -291,29 +217,28 @@ class NonFiniteGuard(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._eager:
-            if self.gate.is_open and self.gate.end(trainer.global_step) is not None:  # the step is over
+            if self.gate.is_open and self.gate.end(trainer.global_step) is not None:
                 self._micro_batches, self._skipping = [], False
             return
-        self._recorder.active = False  # what runs until the next batch (validation) is not recorded
+        self._recorder.active = False
         run_eager(self, False)
-        # The checked step is over once the optimizer stepped (after every batch in manual optimization).
         step = self.gate.end(trainer.global_step, force=not pl_module.automatic_optimization)
         if step is not None:
-            if len(self._recorder):  # recorded after the last optimizer step (manual optimization)
+            if len(self._recorder):
                 self._check(trainer, None, step)
             self._disarm()
-        if not self.gate.is_open and not self.is_logging_step(trainer):  # kept while the next step is checked
+        if not self.gate.is_open and not self.is_logging_step(trainer):
             self._step_handles.remove()
 
     def _sentinel(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, step: int
     ) -> None:
-        """Replay mode: one on-device check of the step, one transfer; replay and act only if it failed."""
+        """Replay mode: check the step; replay it and act only if it failed."""
         found_inf = self._found_inf(optimizer)
         grads = [] if found_inf else _strided_gradients(optimizer)
-        # Each rank's own losses would give each rank its own verdict: under DDP the all-reduced gradients decide.
+        # under DDP the all-reduced gradients decide, so that every rank reaches the same verdict
         losses = [] if self._distributed else [m.loss for m in self._micro_batches if m.loss is not None]
-        if finite_step(grads, losses, found_inf):  # the one host transfer of a healthy step
+        if finite_step(grads, losses, found_inf):
             return
         self._failed(trainer, pl_module, optimizer, step, scaler_skips=bool(found_inf and sum(map(float, found_inf))))
 
@@ -329,14 +254,14 @@ class NonFiniteGuard(HookCallback):
         named = self._gradients(optimizer) if self.check_backward else []
         losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
         seen = [*(n.float() for n in grad_readings(named)), *(loss.float() for _, loss in losses)]
-        values = torch.stack(seen).tolist() if seen else []  # a second transfer, on a failing step only
+        values = torch.stack(seen).tolist() if seen else []
         parameters = parameter_readings(named, values[: len(named)])
         bad_losses = [(i, v) for (i, _), v in zip(losses, values[len(named) :], strict=True) if not math.isfinite(v)]
         replayed = self._replay(trainer, pl_module, backward=self.check_backward and not scaler_skips)
         if replayed is None and bad_losses:
             batch_idx, value = bad_losses[0]
             replayed = Finding("loss", tensor=("", Reading(value, value, 1, 1)), batch_idx=batch_idx, reproduced=False)
-        if scaler_skips:  # the scaler's own business, unless forward values were bad
+        if scaler_skips:
             local = replayed if replayed is not None and replayed.phase in ("forward", "loss") else None
         else:
             local = with_parameters(replayed, parameters)
@@ -347,14 +272,13 @@ class NonFiniteGuard(HookCallback):
             self._act(trainer, finding, optimizer, scaler_skips, step)
 
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, backward: bool) -> Finding | None:
-        training_step = pl_module.training_step  # the LightningModule's own: DDP's wrapper is not called
+        training_step = pl_module.training_step
         takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
 
         def run(micro: MicroBatch) -> torch.Tensor | None:
             args = (micro.batch, micro.batch_idx) if takes_batch_idx else (micro.batch,)
             return _loss_of(training_step(*args))
 
-        # Compiled regions run eagerly in the replay, so that the recorder's hooks fire there.
         with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context(), eager_stance():
             return replay(
                 pl_module, self._modules, self._micro_batches, run, trainer.strategy.root_device, backward=backward
@@ -376,13 +300,13 @@ class NonFiniteGuard(HookCallback):
         return list(state.get("found_inf_per_device", {}).values())
 
     def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None, step: int) -> None:
-        """Eager mode: read the step (one transfer), decide, and act on what was found."""
+        """Eager mode: read the step, decide, and act on what was found."""
         grads = self._gradients(optimizer) if self.check_backward and optimizer is not None else []
         finding, norms = self._recorder.find(grad_readings(grads))
         self._recorder.clear()
         parameters = parameter_readings(grads, norms)
         scaler_skips = self._scaler is not None and bool(parameters)
-        if scaler_skips:  # the scaler's own business: it skips the step and lowers its scale
+        if scaler_skips:
             finding = finding if finding is not None and finding.phase in ("forward", "loss") else None
         else:
             finding = with_parameters(finding, parameters)
@@ -391,7 +315,7 @@ class NonFiniteGuard(HookCallback):
         found = finding is not None
         if trainer.world_size > 1 and self.action != "warn":
             found = trainer.strategy.reduce_boolean_decision(found, all=False)
-            if found:  # every rank knows: they can agree on the report
+            if found:
                 finding = self._agree(trainer, finding)
         if found:
             self._act(trainer, finding, optimizer, scaler_skips, step)
@@ -431,8 +355,7 @@ class NonFiniteGuard(HookCallback):
             self._skipping = True
             self.skipped_steps += 1
             self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
-        key = f"{finding.phase}:{finding.layer}" if finding is not None else ""
-        if finding is not None and key not in self._warned:
+        if finding is not None and (key := f"{finding.phase}:{finding.layer}") not in self._warned:
             self._warned.add(key)
             rank_zero_warn(
                 f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n"
@@ -479,7 +402,7 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
 
 
 def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The dense gradients of ``optimizer``'s parameters: what the sentinel reads on every step."""
+    """The dense gradients of ``optimizer``'s parameters."""
     return [
         grad
         for group in optimizer.param_groups
@@ -502,7 +425,7 @@ def _drop_log(*args: Any, **kwargs: Any) -> None:
 @contextmanager
 def _logging_dropped(pl_module: pl.LightningModule) -> Iterator[None]:
     """Make ``self.log`` and ``self.log_dict`` (which calls it) do nothing, for this module only."""
-    own = pl_module.__dict__.get("log")  # an instance attribute of the user's, if any, comes back
+    own = pl_module.__dict__.get("log")
     pl_module.log = _drop_log  # type: ignore[method-assign]
     try:
         yield

@@ -21,13 +21,6 @@ _SHOWN = 4
 """How many inputs, parameters or candidates a report lists before saying how many more."""
 
 
-def severity(low: float, high: float) -> int:
-    """:data:`NAN`, :data:`INF` or :data:`FINITE`, from a tensor's minimum and maximum."""
-    if math.isnan(low) or math.isnan(high):
-        return NAN
-    return INF if math.isinf(low) or math.isinf(high) else FINITE
-
-
 class Reading(NamedTuple):
     """What is known of one tensor: its range, its size and how many of its values are not finite."""
 
@@ -38,7 +31,10 @@ class Reading(NamedTuple):
 
     @property
     def severity(self) -> int:
-        return severity(self.min, self.max)
+        """:data:`NAN`, :data:`INF` or :data:`FINITE`."""
+        if math.isnan(self.min) or math.isnan(self.max):
+            return NAN
+        return INF if math.isinf(self.min) or math.isinf(self.max) else FINITE
 
     def range(self) -> str:
         return f"min {self.min:.4g}, max {self.max:.4g}"
@@ -72,11 +68,9 @@ class Finding:
             theirs, so any of them may have made the value.
         parameters: ``(name, reading)`` of every parameter whose gradient is non-finite.
         step: The optimizer step (``0`` outside a Trainer).
-        replayed: Whether it was found by replaying the step after a cheap check of its loss and
-            gradients failed (``NonFiniteGuard(mode="replay")``), or by hooks on the step itself.
+        replayed: Whether it was found by replaying the step (``NonFiniteGuard(mode="replay")``).
         reproduced: ``False`` when the replay found every value finite although the step's loss
-            (``phase="loss"``, ``tensor`` and ``batch_idx`` say which) or gradients were not: a
-            non-deterministic kernel, or a batch that ``training_step`` changes in place.
+            (``phase="loss"``, ``tensor`` and ``batch_idx`` say which) or gradients were not.
         rank: The process that found it, under distributed training (``None`` in a single process).
     """
 
@@ -107,9 +101,9 @@ class Finding:
         if self.calls > 1:
             who += f", call {self.call} of {self.calls}"
         path, reading = self.tensor or ("", Reading(math.nan, math.nan, 0))
+        out = f"output `{path}`" if path else "output"
         lines: list[str] = []
         if self.phase == "forward":
-            out = f"output `{path}`" if path else "output"
             if self.made_here:
                 lines.append(f"forward: {who} made non-finite values from finite inputs; {out}: {reading.bad()}")
                 lines.append(f"inputs: {_ranges(self.given, 'input')}")
@@ -141,7 +135,6 @@ class Finding:
                         f"theirs, so any of these may have made it"
                     )
             else:
-                out = f"output `{path}`" if path else "output"
                 lines.append(
                     f"backward: the gradient w.r.t. the {out} of {who} was already non-finite when it arrived "
                     f"({reading.bad()}): it was made after the selected modules, in the loss or in code between them"

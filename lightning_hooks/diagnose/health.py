@@ -1,31 +1,9 @@
 """Health checks over a logging step's statistics: what is wrong, in which layer, since when (pure Python).
 
-The callback (:class:`~lightning_hooks.callbacks.HealthMonitor`) fetches the step's pooled
-statistics once and hands them over as a :class:`Snapshot`; :class:`HealthTracker` applies every
-check and keeps one :class:`HealthFinding` per check and layers, whose ``last_step`` advances while
-it keeps holding. Rendering is in :mod:`lightning_hooks.diagnose.report`.
-
-The thresholds and where they come from (README, "HealthMonitor"):
-
-* ``dead_units``: a unit (channel of a conv map, feature of a linear output) is dead when it is
-  exactly zero for every sample of the batch; a layer is named when at least ``dead_fraction``
-  (25 %) of its units are dead on ``patience`` consecutive logging steps. A healthy ReLU outputs
-  zero for about half of its inputs but almost never for a whole batch.
-* ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
-  below ``1 / gradient_spread`` (1e-3) or above ``gradient_spread`` (1e3) times the median layer's
-  on ``patience`` logging steps (the README's rule of thumb: healthy layers lie within one or two
-  orders of magnitude); or the total gradient norm rising at each of ``patience`` logging steps in
-  a row and by ``norm_growth`` (100×) over them.
-* ``update_ratio``: ``||Δw|| / ||w||`` of a layer's parameters outside ``[update_ratio_low,
-  update_ratio_high]`` (1e-6, 0.1) on ``patience`` logging steps; around 1e-3 is the classic rule
-  of thumb, small models under Adam run near 1e-2. Step 0 and zero-initialised layers are not judged.
-* ``activation_growth``: a layer's output RMS above ``activation_growth`` (1e3) times the median of
-  the layers before it (depth), or times its own RMS at the first logging step (time).
-* ``nonfinite``: any NaN/Inf in a layer's output or a layer's parameter gradient, or a non-finite loss
-  (the value: how many layers, or how many steps' losses).
-* ``loss_spike``: a step's loss more than ``spike_threshold`` (20) robust standard deviations
-  (``1.4826 × MAD``, at least :data:`SPIKE_FLOOR` of the highest median of the fit) above the
-  median of the previous ``SPIKE_WINDOW`` steps' losses, as they stood at the previous logging step.
+:class:`HealthTracker` applies every check to each logging step's :class:`Snapshot` and keeps one
+:class:`HealthFinding` per check and layers, whose ``last_step`` advances while it keeps holding.
+The checks that need one snapshot only are in :mod:`lightning_hooks.diagnose.checks`; rendering is
+in :mod:`lightning_hooks.diagnose.report`.
 """
 
 from __future__ import annotations
@@ -34,11 +12,32 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
+from lightning_hooks.diagnose.checks import (
+    SHOWN_LAYERS,
+    Evidence,
+    Snapshot,
+    Thresholds,
+    dead_units,
+    gradient_spread,
+    nonfinite,
+    update_ratio,
+)
 from lightning_hooks.stats.state import State
+
+__all__ = [
+    "CHECKS",
+    "Check",
+    "HealthFinding",
+    "HealthTracker",
+    "Snapshot",
+    "Thresholds",
+    "dead_units",
+    "gradient_spread",
+]
 
 Check = Literal[
     "dead_units",
@@ -58,13 +57,8 @@ SPIKE_WINDOW = 100
 """How many previous steps' losses the rolling median and MAD of ``loss_spike`` are taken over."""
 SPIKE_MIN_HISTORY = 20
 """``loss_spike`` judges no step before this many losses are known."""
-MIN_SAMPLES = 8
-"""``dead_units`` judges a layer only when each of its units saw at least this many values."""
-SHOWN_LAYERS = 3
-"""How many layers a finding over several names (worst first)."""
 SPIKE_FLOOR = 0.05
-"""``loss_spike``'s robust deviation is at least this share of the highest rolling median seen in the fit: a
-batch at 0.5 when the loss has settled at 0.01 is noise next to where the loss started, not a spike."""
+"""``loss_spike``'s robust deviation is at least this share of the highest rolling median seen in the fit."""
 ALIKE = 10.0
 """Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
 MAD_SCALE = 1.4826
@@ -94,257 +88,12 @@ class HealthFinding:
     message: str
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    """The lines the checks draw (see the module docstring for their sources)."""
-
-    dead_fraction: float = 0.25
-    gradient_spread: float = 1e3
-    norm_growth: float = 100.0
-    update_ratio_low: float = 1e-6
-    update_ratio_high: float = 0.1
-    activation_growth: float = 1e3
-    spike_threshold: float = 20.0
-    patience: int = 3
-
-
-@dataclass
-class Snapshot:
-    """One logging step's statistics on the host, per layer (qualified names; ``""`` is the model).
-
-    ``order`` is the model's module order; ``activations`` and ``units`` (each output unit's sum
-    of squares: zero for a unit that was zero for every sample) are of leaf modules; ``grads``
-    pools each layer's parameter gradients; ``ratios`` is ``||Δw|| / ||w||`` per layer with
-    ``weights`` its ``||w||``; ``losses`` and ``norms`` are the steps since the previous snapshot,
-    each with its loss and the gradient norm of each parameter, ``norm_layers`` naming the layer
-    of each.
-    """
-
-    step: int
-    order: Sequence[str]
-    activations: dict[str, State] = field(default_factory=dict)
-    units: dict[str, list[float]] = field(default_factory=dict)
-    grads: dict[str, State] = field(default_factory=dict)
-    ratios: dict[str, float] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    norms: list[list[float]] = field(default_factory=list)
-    norm_layers: Sequence[str] = ()
-    leaves_with_params: frozenset[str] = frozenset()
-    guard: tuple[str, int, str] | None = None
-    """What a ``NonFiniteGuard`` in the same Trainer found last: ``(layer, step, first line of its report)``."""
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What one check saw at one step, before it became (or extended) a finding."""
-
-    check: str
-    layers: tuple[str, ...]
-    value: float
-    threshold: float
-    message: str
-    step: int | None = None
-    """The step it belongs to when not the snapshot's (a loss spike between logging steps)."""
-
-
-def _names(layers: Sequence[str]) -> str:
-    return ", ".join(f"`{label(n)}`" for n in layers)
-
-
-def _rms(state: State) -> float:
-    return math.sqrt(max(state.sum_sq, 0.0) / state.numel) if state.numel else math.nan
-
-
-def dead_units(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers with at least ``dead_fraction`` of their output units zero for every sample of the batch.
-
-    Units are counted in parameter-free leaves; one right after a dead one (a pooling, a flatten, a
-    dropout after a dead ReLU) carries the same dead units on and is not named again, while a
-    layer with weights in between ends the chain.
-    """
-    found: list[Evidence] = []
-    previous_dead = False
-    for name in snap.order:
-        counts = snap.units.get(name)
-        act = snap.activations.get(name)
-        if name in snap.leaves_with_params:
-            previous_dead = False
-        if counts is None or act is None or not counts:
-            continue
-        samples = act.numel / len(counts)
-        dead = sum(1 for c in counts if c == 0)
-        share = dead / len(counts)
-        is_dead = samples >= MIN_SAMPLES and share >= limits.dead_fraction
-        if is_dead and not previous_dead:
-            found.append(
-                Evidence(
-                    "dead_units",
-                    (label(name),),
-                    share,
-                    limits.dead_fraction,
-                    f"{dead} of {len(counts)} output units of `{label(name)}` are zero for every sample of the batch "
-                    f"({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, or a "
-                    f"normalization layer before the activation.",
-                )
-            )
-        previous_dead = is_dead
-    return found
-
-
-def _layer_mean_abs(snap: Snapshot) -> dict[str, float]:
-    """Mean ``|gradient|`` per element of each layer with a finite, non-zero gradient."""
-    found = {}
-    for name in snap.order:
-        state = snap.grads.get(name)
-        if state is not None and state.numel and state.abs_sum > 0 and math.isfinite(state.abs_sum):
-            found[name] = state.abs_sum / state.numel
-    return found
-
-
-def gradient_spread(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers whose mean ``|gradient|`` is ``gradient_spread`` times below or above the median layer's.
-
-    When the gradients fall or rise along the depth, some layers sit below and some above the
-    median: the end nearer the input names the problem (backward compounds from the output
-    towards the input). Small gradients there are vanishing, and the large ones after them are
-    not reported as exploding; large gradients there are exploding, and the small ones after
-    them are not reported as vanishing.
-    """
-    means = _layer_mean_abs(snap)
-    if len(means) < 3:
-        return []
-    median = statistics.median(means.values())
-    position = {name: i for i, name in enumerate(snap.order)}
-    low = [n for n, m in means.items() if m <= median / limits.gradient_spread]
-    high = [n for n, m in means.items() if m >= median * limits.gradient_spread]
-    first_low = min((position[n] for n in low), default=math.inf)
-    first_high = min((position[n] for n in high), default=math.inf)
-    low = [n for n in low if position[n] < first_high]
-    high = [n for n in high if position[n] < first_low]
-    found = []
-    for name in sorted(low, key=lambda n: means[n]):
-        ratio = means[name] / median
-        found.append(
-            Evidence(
-                "vanishing_gradients",
-                (label(name),),
-                ratio,
-                1 / limits.gradient_spread,
-                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-                f"{means[name]:.2e} per element): its weights barely learn; try residual connections, normalization "
-                f"layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation.",
-            )
-        )
-    for name in sorted(high, key=lambda n: -means[n]):
-        ratio = means[name] / median
-        found.append(
-            Evidence(
-                "exploding_gradients",
-                (label(name),),
-                ratio,
-                limits.gradient_spread,
-                f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-                f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
-                f"learning rate or warm-up.",
-            )
-        )
-    return found
-
-
-def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``."""
-    if snap.step == 0:  # the first step moves zero-initialised and freshly initialised weights the most
-        return []
-    judged = {
-        name: ratio
-        for name in snap.order
-        if (ratio := snap.ratios.get(name)) is not None
-        and math.isfinite(ratio)
-        and snap.weights.get(name, 0.0) >= 1e-6  # zero-initialised: no scale to judge by
-    }
-    found = []
-    for name, ratio in judged.items():
-        if ratio > limits.update_ratio_high:
-            found.append(
-                Evidence(
-                    "update_ratio",
-                    (label(name),),
-                    ratio,
-                    limits.update_ratio_high,
-                    f"each optimizer step changes the weights of `{label(name)}` by {ratio:.1e} of their norm "
-                    f"(healthy: about 1e-3 to 1e-2): the learning rate is too high for it; lower it (its parameter "
-                    f"group's), or add warm-up.",
-                )
-            )
-        elif ratio < limits.update_ratio_low:
-            found.append(
-                Evidence(
-                    "update_ratio",
-                    (label(name),),
-                    ratio,
-                    limits.update_ratio_low,
-                    f"each optimizer step changes the weights of `{label(name)}` by only {ratio:.1e} of their norm "
-                    f"(healthy: about 1e-3 to 1e-2): it barely learns; raise the learning rate, or look for a "
-                    f"vanishing gradient.",
-                )
-            )
-    return found
-
-
-def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """NaN/Inf in a layer's output (the first in model order), else in a parameter gradient, or in a step's loss.
-
-    A :class:`NonFiniteGuard` finding in the same Trainer (``snap.guard``) is named first: it saw the
-    step where the values were made, before they spread.
-    """
-    bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
-    layers: list[str] = []
-    what = ""
-    for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
-        layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]
-        if layers:
-            count = float(len(layers))
-            said = (
-                f"the {what} of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
-            )
-            break
-    else:
-        if not bad_losses and snap.guard is None:
-            return []
-        count = float(len(bad_losses))
-        said = (
-            f"the training loss was NaN/Inf at {len(bad_losses)} step(s) from step {bad_losses[0]}"
-            if bad_losses
-            else "a layer made NaN/Inf values"
-        )
-    named = [label(n) for n in layers]
-    note = ""
-    if snap.guard is not None:
-        layer, step, line = snap.guard
-        named = [layer, *(n for n in named if n != layer)]
-        note = f" `NonFiniteGuard` found at step {step}: {line}."
-    first = min([*bad_losses, *([snap.guard[1]] if snap.guard else [])], default=None)
-    return [
-        Evidence(
-            "nonfinite",
-            tuple(named[:SHOWN_LAYERS]) or ("root",),
-            count,
-            0.0,
-            f"{said}; add `NonFiniteGuard()` to name the operation that made them, and look for a division by "
-            f"zero, a log or sqrt of a non-positive number, or an overflow.{note}",
-            step=first,
-        )
-    ]
-
-
 class HealthTracker:
     """Applies the checks to each logging step's :class:`Snapshot` and keeps the findings.
 
-    Evidence that needs persistence (dead units, gradient spread, update ratio, activation
-    growth) becomes a finding once it has held on ``patience`` consecutive logging steps, with
-    the step it was first seen; a finding already made for the same check and layers only has
-    its ``last_step``, ``value`` advanced.
+    Dead units, gradient spread, update ratio and activation growth become a finding once they
+    have held on ``patience`` consecutive logging steps, dated to the first; evidence for a finding
+    already made (same check and layers) advances its ``last_step``, ``value`` and ``message``.
 
     Example::
 
@@ -358,8 +107,7 @@ class HealthTracker:
         self.checks, self.limits = list(checks), limits
         self.findings: list[HealthFinding] = []
         self._index: dict[tuple[str, tuple[str, ...]], int] = {}
-        self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}
-        """Per (check, layers): (first step of the current streak, its length in logging steps)."""
+        self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}  # first step, length in logging steps
         self._step_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
         self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
         self._top_median = 0.0
@@ -405,9 +153,9 @@ class HealthTracker:
             del self._streaks[key]
         for e in immediate:
             step = snap.step if e.step is None else e.step
-            going_on = self._going_on(e) if e.check == "nonfinite" else None
-            if going_on is not None:  # NaN spreads: the same finding, wherever it has got to
-                e = replace(e, layers=going_on.layers)
+            if e.check == "nonfinite":  # NaN spreads: a finding that held at the previous logging step goes on
+                going_on = [f for f in self.findings if f.check == e.check and f.last_step == self._previous_step]
+                e = replace(e, layers=going_on[0].layers) if going_on else e
             new += self._record(e, step, snap.step if e.check == "nonfinite" else step)
         self._previous_step = snap.step
         layers: dict[str, set[str]] = {check: set() for check in self.checks}
@@ -415,13 +163,6 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
-
-    def _going_on(self, e: Evidence) -> HealthFinding | None:
-        """A finding of ``e``'s check that held at the previous logging step."""
-        return next(
-            (f for f in self.findings if f.check == e.check and f.last_step == self._previous_step),
-            None,
-        )
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)
@@ -436,12 +177,10 @@ class HealthTracker:
         return [finding]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
-        """The total gradient norm growing without bound: rising at each of ``patience`` logging steps in a row
-        and ``norm_growth``-fold over them, or rising like that over consecutive steps until it overflowed.
+        """The total gradient norm rising at each of ``patience`` logging steps in a row and ``norm_growth``-fold
+        over them, or rising over consecutive steps until it overflowed.
 
-        A logging step's level is the median total of the steps the ring kept since the previous one
-        (the logging step's own total without it); a deep net can go from healthy to ``inf`` between
-        two logging steps, which the ring sees step by step.
+        A logging step's level is each layer's median norm over the steps since the previous one.
         """
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
@@ -458,7 +197,6 @@ class HealthTracker:
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
             found += self._grew(run, "steps in a row, then overflowed", overflowed=True)
-        # a logging step's level: each layer's median over the ring's steps (the step's own norms without it)
         level = {n: statistics.median(row[n] for row in steps) for n in steps[0]} if steps else _per_layer_of(snap)
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
@@ -466,8 +204,8 @@ class HealthTracker:
         return found[:1]
 
     def _grew(self, run: list[tuple[int, dict[str, float]]], how: str, overflowed: bool = False) -> list[Evidence]:
-        """Evidence when the last ``patience + 1`` totals of ``run`` rise at each step and ``norm_growth``-fold;
-        a run that ``overflowed`` needs only its last three (two rises) to."""
+        """Evidence when the last ``patience + 1`` totals of ``run`` (three if it ``overflowed``) rise at each
+        step and ``norm_growth``-fold."""
         length = 3 if overflowed else self.limits.patience + 1
         run = run[-length:]
         totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
@@ -479,18 +217,13 @@ class HealthTracker:
         (first_step, before), (last_step, after) = run[0], run[-1]
         self._logged_norms.clear()  # the next finding needs a new run of rising norms
         grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
-        return [
-            Evidence(
-                "exploding_gradients",
-                tuple(label(n) for n in grew),
-                growth,
-                self.limits.norm_growth,
-                f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
-                f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
-                f"learning rate, or a smaller initialisation.",
-                step=first_step,
-            )
-        ]
+        said = (
+            f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
+            f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
+            f"learning rate, or a smaller initialisation."
+        )
+        layers = tuple(label(n) for n in grew)
+        return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
     def _activation_growth(self, snap: Snapshot) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of the layers before it, or of its own first logging step."""
@@ -512,16 +245,11 @@ class HealthTracker:
                     if depth >= time
                     else f"{time:.0f} times what it was at step {since}"
                 )
-                found.append(
-                    Evidence(
-                        "activation_growth",
-                        (label(name),),
-                        max(depth, time),
-                        limit,
-                        f"the output of `{label(name)}` has an RMS of {rms:.3g}, {how}: the next overflow is on its "
-                        f"way; try normalization layers, a smaller initialisation or a lower learning rate.",
-                    )
+                said = (
+                    f"the output of `{label(name)}` has an RMS of {rms:.3g}, {how}: the next overflow is on its "
+                    f"way; try normalization layers, a smaller initialisation or a lower learning rate."
                 )
+                found.append(Evidence("activation_growth", (label(name),), max(depth, time), limit, said))
             if rms > 0:
                 earlier.append(rms)
         return found
@@ -529,9 +257,8 @@ class HealthTracker:
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
         """Each step whose loss lies ``spike_threshold`` robust deviations above the rolling median.
 
-        The steps since the previous logging step are judged against the history as it stood then
-        (one median and one MAD per logging step, not per step). A spike on the step right after
-        one is the same spike going on: it extends that finding.
+        The steps since the previous logging step are judged against the history as it stood then;
+        a spike on the step right after another extends that finding.
         """
         found = []
         level = self._level()
@@ -564,21 +291,13 @@ class HealthTracker:
         mad = statistics.median(abs(x - median) for x in history)
         return median, max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
 
-    def spike_line(self) -> float:
-        """Half-way to a spike by the current history: a loss above it may be one (``-inf`` before the history)."""
-        level = self._level()
-        return -math.inf if level is None else level[0] + 0.5 * self.limits.spike_threshold * level[1]
-
     def _spike(
         self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]
     ) -> Evidence:
         """A spike at ``step``, named after the layers whose gradient norm jumped most.
 
-        A layer's jump is the smallest of its parameters' (each against its median over the window):
-        when a layer's output jumps, the weights of the layer after it see a larger input, but its
-        bias sees the same gradient. Of the layers that jumped alike (within :data:`ALIKE` of the
-        largest), the one nearest the output comes first: a jump that enters the backward pass at a
-        layer is carried on to every layer before it.
+        A layer's jump is the smallest of its parameters' (each against its median over the window);
+        of the layers that jumped within :data:`ALIKE` of the largest, the nearest the output comes first.
         """
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
@@ -595,15 +314,20 @@ class HealthTracker:
             if worst
             else ""
         )
-        return Evidence(
-            "loss_spike",
-            tuple(label(n) for n in worst) or ("root",),
-            z,
-            self.limits.spike_threshold,
+        said = (
             f"the training loss jumped to {loss:.4g} at step {step} (recent median {median:.4g}, {z:.0f} robust "
-            f"deviations){where}; look at that batch, lower the learning rate, or clip gradients.",
-            step=step,
+            f"deviations){where}; look at that batch, lower the learning rate, or clip gradients."
         )
+        layers = tuple(label(n) for n in worst) or ("root",)
+        return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
+
+
+def _names(layers: Sequence[str]) -> str:
+    return ", ".join(f"`{label(n)}`" for n in layers)
+
+
+def _rms(state: State) -> float:
+    return math.sqrt(max(state.sum_sq, 0.0) / state.numel) if state.numel else math.nan
 
 
 def _ratio(new: float, old: float) -> float:

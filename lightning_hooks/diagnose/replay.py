@@ -1,13 +1,7 @@
 """Replaying a training step that went non-finite, with a :class:`NonFiniteRecorder` attached (pure torch).
 
-A healthy step is only checked, not watched (:func:`~lightning_hooks.recorders.finite.finite_step`);
-what replaying one needs is kept as it runs: each micro-batch object itself (a reference, never
-a copy), its batch index, and the random-number-generator and train/eval states it started
-with. When the check fails, before the optimizer has changed anything, :func:`replay` runs the
-micro-batches again with the recorder attached and differentiates each loss with respect to the
-recorded activations only (``torch.autograd.grad``), so that no parameter's ``.grad`` changes
-and nothing that hooks gradient accumulation (DDP's reducer) fires. The generators, the
-train/eval flags and the buffers (batch-norm running statistics) are left as they were found.
+A step keeps, per micro-batch, a :class:`MicroBatch`: the batch object (a reference, never a copy),
+its index, and the generator and train/eval states it started with; :func:`replay` runs them again.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ class RngState:
 
     @classmethod
     def capture(cls, device: torch.device) -> RngState:
-        if device.type == "cpu":  # no generator of its own besides the CPU's
+        if device.type == "cpu":
             return cls(torch.get_rng_state())
         return cls(torch.get_rng_state(), device, torch.get_device_module(device).get_rng_state(device))
 
@@ -85,9 +79,9 @@ def replay(
     """Run each micro-batch again (``run`` returns its loss) with a recorder on ``modules``; what it found.
 
     Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with
-    ``backward``, its loss is differentiated with respect to the recorded activations that require grad. The
-    other recorders of this package sleep meanwhile (:func:`~lightning_hooks.core.handles.observers_asleep`).
-    Afterwards the generators, flags and buffers of ``model`` are as they were, and no hook is left.
+    ``backward``, its loss is differentiated with respect to the recorded activations only, so no parameter's
+    ``.grad`` changes. The other recorders of this package sleep meanwhile. Afterwards the generators, flags
+    and buffers of ``model`` are as they were, and no hook is left.
 
     Example::
 

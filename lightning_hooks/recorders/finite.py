@@ -1,31 +1,9 @@
 """Finding the first module that made a NaN or an Inf, forward or backward (pure torch).
 
-A :class:`NonFiniteRecorder` puts a forward pre-hook and a forward hook on each module it is
-given. For every floating-point tensor a module call receives or returns it takes one on-device
-reduction, ``torch.aminmax``: a tensor is finite exactly when its minimum and maximum are (NaN
-propagates through both, an Inf shows as one of them), and the two numbers are the value range
-a report shows. A tensor seen before in the same step, unchanged (same object, same version
-counter), is not measured again: the output of one layer is usually the input of the next.
-The count of non-finite values is queued on device with the rest, and every reading crosses to
-the host in a single transfer when asked for.
-
-In backward, a tensor hook on each such tensor that requires grad measures the gradient that
-autograd computed for it; the hook is put on an input in the pre-hook, before the module can
-change the input in place, so it receives the gradient with respect to the value the module was
-given. A tensor shared by several modules (the output of one and the input of the next, or the
-input of several) gets one hook.
-
-:meth:`NonFiniteRecorder.find` turns the readings into a :class:`Finding`:
-
-* **forward**: the first call, in the order calls *finish*, whose outputs hold a NaN while none
-  of its inputs does, or an Inf while all its inputs are finite. Containers finish after their
-  children, so a leaf that made the value is found before the containers that pass it on; a
-  container is named when its own code between its children made it. A NaN made from an
-  ``-inf`` attention mask counts as made here; masks themselves do not count as findings.
-* **backward**: the first gradient, in the order autograd computes them, that is non-finite at
-  the input of a module whose output gradients were finite (by the same NaN-over-Inf rule).
-* **loss**: non-finite values made after the model, in the loss.
-* otherwise, where non-finite values first *entered* the selected modules from outside them.
+A :class:`NonFiniteRecorder` hooks the modules it is given and reduces every floating-point tensor a
+call receives or returns (and, with ``check_backward``, its gradient) to its range and count of
+non-finite values on device; :meth:`NonFiniteRecorder.find` reads them all at once and names the
+first module that made non-finite values from finite ones.
 """
 
 from __future__ import annotations
@@ -59,7 +37,7 @@ class Readings:
     """
 
     def __init__(self) -> None:
-        self._items: list[Reading | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        self._items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -78,20 +56,19 @@ class Readings:
 
     def read(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[Reading], list[float]]:
         """Every reading, and the 0-d tensors ``extra`` as floats, with one device-to-host copy."""
-        queued = [(i, item) for i, item in enumerate(self._items) if not isinstance(item, Reading)]
-        bounds = [b for _, item in queued for b in item[:2]]
-        counts = [item[2] for _, item in queued]
+        bounds = [b for item in self._items for b in item[:2]]
+        counts = [item[2] for item in self._items]
         flat: list[float] = []
         tensors = [*bounds, *counts, *extra]
         if tensors:
             device = tensors[0].device
             # Stack each kind apart: a count must not be cast to a half-precision bound's dtype.
             parts = [torch.stack([t.to(device) for t in group]).double() for group in (bounds, counts, extra) if group]
-            flat = torch.cat(parts).tolist()  # the one host transfer
-        readings = [item if isinstance(item, Reading) else Reading(0.0, 0.0, 0) for item in self._items]
-        n = len(queued)
-        for k, (i, item) in enumerate(queued):
-            readings[i] = Reading(flat[2 * k], flat[2 * k + 1], item[3], int(flat[2 * n + k]))
+            flat = torch.cat(parts).tolist()
+        n = len(self._items)
+        readings = [
+            Reading(flat[2 * k], flat[2 * k + 1], item[3], int(flat[2 * n + k])) for k, item in enumerate(self._items)
+        ]
         return readings, flat[3 * n :]
 
 
@@ -116,13 +93,6 @@ class _Seen:
     group: int | None = None
 
 
-@dataclass
-class _GradGroup:
-    """A tensor whose gradient is watched, and the roles it plays: ``(call, path, is_output)``."""
-
-    roles: list[tuple[int, str, bool]] = field(default_factory=list)
-
-
 def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int:
     return max((readings[slot].severity for _, slot in slots), default=FINITE)
 
@@ -136,8 +106,7 @@ class NonFiniteRecorder:
     """Record, per module call and per gradient, whether the values were finite; find the first that was not.
 
     Nothing is recorded while ``active`` is false. :meth:`find` reads everything recorded since
-    the last :meth:`clear` with one device-to-host transfer. The recorder keeps numbers and weak
-    references only, never a tensor.
+    the last :meth:`clear`. The recorder keeps numbers and weak references only, never a tensor.
 
     Args:
         check_backward: Also watch gradients with respect to module inputs and outputs.
@@ -159,7 +128,8 @@ class NonFiniteRecorder:
         self.readings = Readings()
         self.calls: list[_Call] = []
         self.finished: list[int] = []
-        self.groups: list[_GradGroup] = []
+        self.groups: list[list[tuple[int, str, bool]]] = []
+        """Per tensor whose gradient is watched, the roles it plays: ``(call, path, is_output)``."""
         self.events: list[tuple[int, int]] = []
         self.losses: list[int] = []
         self._open: dict[str, list[int]] = {}
@@ -170,7 +140,6 @@ class NonFiniteRecorder:
         return len(self.readings)
 
     def __getstate__(self) -> dict[str, Any]:
-        # A model pickled mid-step takes its hooks, and so this recorder, along: no weak references, no step.
         return {"check_backward": self.check_backward, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -200,11 +169,11 @@ class NonFiniteRecorder:
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
         if seen.group is None:
             seen.group = len(self.groups)
-            self.groups.append(_GradGroup())
+            self.groups.append([])
             t.register_hook(_GradProbe(self, seen.group, self.generation))
             if self.keep is not None:
                 self.keep.append(t)
-        self.groups[seen.group].roles.append((call, path, output))
+        self.groups[seen.group].append((call, path, output))
 
     def _record(self, tensors: list[tuple[str, torch.Tensor]], call: int, output: bool) -> None:
         slots = self.calls[call].outputs if output else self.calls[call].inputs
@@ -217,10 +186,15 @@ class NonFiniteRecorder:
                 self._watch(t, seen, call, path, output)
 
     def find(self, extra: Sequence[torch.Tensor] = ()) -> tuple[Finding | None, list[float]]:
-        """Read everything (one transfer, ``extra`` 0-d tensors too) and find the first non-finite values.
+        """Read everything (``extra`` 0-d tensors too, returned as floats) and find the first non-finite values.
 
-        Forward findings come first, then the loss, then backward; ``None`` when all was finite.
-        The values of ``extra`` are returned as floats.
+        * forward: the first call, in the order calls *finish*, whose outputs hold a NaN while none of its
+          inputs does, or an Inf while all its inputs are finite;
+        * loss: non-finite values made after the model;
+        * backward: the first gradient, in the order autograd computes them, non-finite at the input of a
+          module whose output gradients were finite (by the same NaN-over-Inf rule);
+        * otherwise, where non-finite values first *entered* the selected modules;
+        * ``None`` when all was finite.
         """
         readings, rest = self.readings.read(extra)
         bad = {slot for slot, r in enumerate(readings) if r.nonfinite}
@@ -238,13 +212,7 @@ class NonFiniteRecorder:
         call = self.calls[index]
         same = [i for i, c in enumerate(self.calls) if c.name == call.name]
         return Finding(
-            phase,
-            call.name,
-            call.type,
-            batch_idx=call.batch_idx,
-            call=same.index(index) + 1,
-            calls=len(same),
-            **kwargs,
+            phase, call.name, call.type, batch_idx=call.batch_idx, call=same.index(index) + 1, calls=len(same), **kwargs
         )
 
     def _forward(self, readings: list[Reading]) -> Finding | None:
@@ -276,7 +244,7 @@ class NonFiniteRecorder:
         out_worst: dict[int, int] = {}
         out_grads: dict[int, list[tuple[str, int]]] = {}
         for group, slot in self.events:
-            for call, path, output in self.groups[group].roles:
+            for call, path, output in self.groups[group]:
                 if output:
                     out_worst[call] = max(out_worst.get(call, FINITE), readings[slot].severity)
                     out_grads.setdefault(call, []).append((path, slot))
@@ -285,7 +253,7 @@ class NonFiniteRecorder:
             bad = readings[slot].severity
             if bad == FINITE:
                 continue
-            roles = self.groups[group].roles
+            roles = self.groups[group]
             makers = [(c, p) for c, p, output in roles if not output and out_worst.get(c, FINITE) < bad]
             if makers:
                 # A container and its first child share their input: name the innermost.
@@ -305,7 +273,7 @@ class NonFiniteRecorder:
         if first is None:
             return None
         group, slot = first
-        roles = self.groups[group].roles
+        roles = self.groups[group]
         call, path, _ = next((r for r in roles if r[2]), roles[0])
         return self._call_finding("backward", call, tensor=(path, readings[slot]), made_here=False)
 
@@ -396,9 +364,7 @@ def find_nonfinite(
 def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     """One 0-d tensor per gradient, finite whenever the gradient is: its 2-norm.
 
-    One fused call for all of them (``torch._foreach_norm``, what ``clip_grad_norm_`` uses); the
-    2-norm measured 2-3 times faster than the inf-norm. A NaN or Inf makes the norm non-finite;
-    so can finite values whose squares overflow, which :func:`parameter_readings` sorts out.
+    Finite values whose squares overflow make it non-finite too; :func:`parameter_readings` sorts them out.
     """
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
@@ -409,10 +375,8 @@ def finite_step(
 ) -> bool:
     """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
 
-    The gradients and losses are reduced to one float32 number on their device that is finite
-    when each of their values is (see :func:`_finite_total`), a set flag adding an Inf; then one
-    host transfer, the only one a healthy step costs. The tensors must share a device, as they do
-    in one Lightning process.
+    The tensors must share a device. A sum that overflows for finite values makes a healthy step
+    look bad (the replay then finds every value finite and says so).
 
     Example::
 
@@ -435,18 +399,12 @@ def finite_step(
 
 
 def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A float32 number, NaN or infinite when some value of ``tensors`` is (float32, so that finite half-precision
-    values cannot overflow it; a sum or a norm can also overflow for finite values, which only makes a healthy step
-    look bad: the replay then finds every value finite and says so).
-
-    On an accelerator, the sum of the tensors' norms: one fused ``torch._foreach_norm``. On the CPU the sum of
-    their values end to end instead: there ``_foreach_norm`` loops over the tensors and measured about three times
-    the instructions on the optimizer step of a 24-layer encoder (see docs/performance.md).
-    """
+    """A float32 number, NaN or infinite when some value of ``tensors`` is: the sum of their norms on an
+    accelerator, the sum of their values on the CPU."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
     parts, chunk, size = [], [], 0
-    for t in tensors:  # chunks of about CHUNK elements bound the flattened copy
+    for t in tensors:
         chunk.append(t)
         size += t.numel()
         if size >= CHUNK:
@@ -472,10 +430,7 @@ def parameter_readings(
     named: Sequence[tuple[str, torch.Tensor]], norms: Sequence[float]
 ) -> tuple[tuple[str, Reading], ...]:
     """The readings of the gradients that hold NaN or Inf, among those whose ``norms`` (from
-    :func:`grad_readings`) are not finite.
-
-    Counting reads each such gradient again: a cost paid only when something is wrong.
-    """
+    :func:`grad_readings`) are not finite."""
     out: list[tuple[str, Reading]] = []
     for (name, g), norm in zip(named, norms, strict=True):
         if not math.isfinite(norm):
