@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
+__all__ = ["ActivationStats"]
+
 ActivationStat = Literal["mean", "std", "abs_max", "zero_frac", "nonfinite"]
 ACTIVATION_STATS: tuple[ActivationStat, ...] = ("mean", "std", "abs_max", "zero_frac", "nonfinite")
 

@@ -27,6 +27,8 @@ from lightning_hooks.stats.state import STATS
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["HookCallback", "StatsCallback", "loss_scaler", "metrics", "refuse_sharded", "report_silent_modules"]
+
 
 def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""

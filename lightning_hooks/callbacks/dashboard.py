@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
+__all__ = ["Dashboard", "FIGURE_PERIOD_FACTOR"]
+
 Rows = Mapping[str, State]
 
 

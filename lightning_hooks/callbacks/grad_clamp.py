@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
+__all__ = ["GradClamp"]
+
 TAG = "grad_clamp/clamped_fraction"
 
 ClampMode = Literal["backward", "accumulated"]

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
+__all__ = ["GradStats"]
+
 GradStat = Literal["norm", "mean", "std", "abs_max", "zero_frac", "nonfinite"]
 OUTPUT_GRAD_STATS = ("norm", "abs_max", "nonfinite")
 SHARDED_GROUPS = ("param", "update", "weight")

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
 
+__all__ = ["HealthMonitor"]
+
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite"}
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite"}

@@ -27,6 +27,8 @@ from lightning_hooks.recorders.finite import NonFiniteRecorder, finite_step, gra
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["NonFiniteError", "NonFiniteGuard"]
+
 Action = Literal["raise", "warn", "skip_step"]
 ACTIONS: tuple[Action, ...] = ("raise", "warn", "skip_step")
 Mode = Literal["replay", "eager"]

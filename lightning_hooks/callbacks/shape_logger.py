@@ -20,6 +20,8 @@ from lightning_hooks.sinks.sink import echo
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["ShapeLogger"]
+
 TAG = "shapes/train"
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["dense_gradient", "graph_task_id", "in_backward", "loss_scale"]
+
 
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (activation checkpointing re-running

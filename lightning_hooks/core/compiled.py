@@ -21,6 +21,8 @@ from lightning_hooks.core.handles import Observer
 from lightning_hooks.core.select import is_compile_wrapper
 from lightning_hooks.stats.batch import Key, StatBatch, sample, state_row
 
+__all__ = ["Pending", "Region", "Regions", "Switched", "eager_stance", "has_compiled", "run_eager"]
+
 _STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 """What Lightning compiles on a LightningModule passed to ``fit`` as ``torch.compile(model)``."""
 

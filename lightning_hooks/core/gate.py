@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["StepGate"]
+
 
 class StepGate:
     """Opens on a due optimizer step (:meth:`begin`) and closes once the optimizer has stepped (:meth:`end`),

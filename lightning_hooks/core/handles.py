@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+__all__ = ["HookHandles", "Observer", "made_once", "observers_asleep"]
+
 
 class HookHandles:
     """Owns hook handles so that one call removes all of them.

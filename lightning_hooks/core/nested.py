@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+__all__ = ["Signature", "call_inputs", "format_signature", "leaf_shapes", "named_tensors", "signature"]
+
 Leaf = tuple[int, ...] | str
 """A tensor's shape, or the type name of anything else (``"None"`` for ``None``)."""
 

@@ -13,6 +13,16 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+__all__ = [
+    "ModuleSelector",
+    "is_compile_wrapper",
+    "label",
+    "named_parameters",
+    "output_label",
+    "trainable_parameters",
+    "type_label",
+]
+
 ROOT_LABEL = "root"
 """How the model itself (qualified name ``""``) is shown in tables and tags."""
 

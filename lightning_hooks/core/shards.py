@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+__all__ = ["counted_part", "is_sharded", "local"]
+
 
 def is_sharded(t: object) -> bool:
     """Whether ``t`` is a ``DTensor`` (a tensor spread over processes)."""

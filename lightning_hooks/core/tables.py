@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+__all__ = ["Cell", "Table", "markdown_table"]
+
 Cell = str | int | float
 
 

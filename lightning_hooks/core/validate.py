@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from typing import TypeVar
 
+__all__ = ["boolean", "choice", "positive_float", "positive_int", "subset"]
+
 T = TypeVar("T")
 
 PERIOD_NONE = "use the Trainer's `log_every_n_steps`"

@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 from lightning_hooks.core.select import label
 from lightning_hooks.stats.state import State
 
+__all__ = [
+    "Evidence",
+    "SHOWN_LAYERS",
+    "Snapshot",
+    "Thresholds",
+    "dead_units",
+    "gradient_spread",
+    "nonfinite",
+    "update_ratio",
+]
+
 MIN_SAMPLES = 8
 """``dead_units`` judges a layer only when each of its units saw at least this many values."""
 SHOWN_LAYERS = 3

@@ -12,6 +12,8 @@ from typing import Literal, NamedTuple
 
 from lightning_hooks.core.select import label
 
+__all__ = ["FINITE", "Finding", "Phase", "Reading", "first_finding", "with_parameters"]
+
 FINITE, INF, NAN = 0, 1, 2
 """Severities: a NaN is worse than an Inf, which is worse than nothing."""
 

@@ -17,6 +17,8 @@ from lightning_hooks.core.handles import HookHandles, observers_asleep
 from lightning_hooks.diagnose.finding import Finding
 from lightning_hooks.recorders.finite import NonFiniteRecorder
 
+__all__ = ["MicroBatch", "RngState", "replay", "training_flags"]
+
 
 @dataclass(frozen=True)
 class RngState:

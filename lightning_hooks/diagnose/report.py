@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 from lightning_hooks.diagnose.health import HealthFinding
 
+__all__ = ["COLUMNS", "rows", "summary", "warning"]
+
 COLUMNS = ("check", "layers", "since step", "last step", "value", "threshold", "message")
 """The columns of the ``health/findings`` table."""
 

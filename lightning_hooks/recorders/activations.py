@@ -14,6 +14,8 @@ from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.stats.batch import OutputKeys, StatBatch
 
+__all__ = ["ActivationRecorder", "UnitRecorder"]
+
 
 class ActivationRecorder:
     """Observe every floating-point tensor each hooked module returns, into ``batch`` under ``("act", <layer>)``.

@@ -11,6 +11,8 @@ from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.shards import is_sharded, local
 
+__all__ = ["GradClamper"]
+
 
 class ClampCount:
     """How many gradient elements were clamped while ``active``, counted on device."""

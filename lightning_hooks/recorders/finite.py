@@ -24,6 +24,8 @@ from lightning_hooks.core.select import ModuleSelector, type_label
 from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
 from lightning_hooks.stats.state import nonfinite_count
 
+__all__ = ["NonFiniteRecorder", "find_nonfinite", "finite_step", "grad_readings", "parameter_readings"]
+
 
 class Readings:
     """Readings taken on the tensors' devices, read on the host with one transfer.

@@ -19,6 +19,8 @@ from lightning_hooks.core.shards import counted_part, is_sharded
 from lightning_hooks.stats.batch import Key, OutputKeys, StatBatch
 from lightning_hooks.stats.state import State
 
+__all__ = ["OutputGradRecorder", "ParamGradRecorder", "gradient_norms", "update_ratio"]
+
 
 class OutputGradRecorder:
     """Observe the gradient with respect to each output of the hooked modules, under ``("out", <layer>)``.

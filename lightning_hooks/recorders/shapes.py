@@ -13,6 +13,8 @@ from lightning_hooks.core.nested import Signature, call_inputs, format_signature
 from lightning_hooks.core.select import ModuleSelector, label, type_label
 from lightning_hooks.core.tables import markdown_table
 
+__all__ = ["ShapeRecorder", "ShapeRow", "format_table", "parameter_count", "shape_table", "trace_shapes"]
+
 
 @dataclass
 class ShapeRow:

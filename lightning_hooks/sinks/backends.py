@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
     from torch.utils.tensorboard.writer import FileWriter
 
+__all__ = ["Backend", "FIGURES", "StepData", "backend", "names_showing"]
+
 HISTOGRAMS, FIGURES, TEXT, TABLES = "histograms", "figures", "text", "tables"
 EXTRAS = (HISTOGRAMS, FIGURES, TEXT, TABLES)
 """What a logger may take besides scalars, in the order messages name them."""

@@ -13,6 +13,8 @@ import google_crc32c
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
+__all__ = ["checksum_in_c"]
+
 IN_C = google_crc32c.implementation == "c"
 """Whether ``google-crc32c`` is compiled here (without a build it falls back to pure Python)."""
 

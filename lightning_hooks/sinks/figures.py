@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+__all__ = [
+    "INSTALL_HINT",
+    "gradient_flow_series",
+    "render_gradient_flow",
+    "render_zero_fraction",
+    "require",
+    "zero_fraction_series",
+]
+
 INSTALL_HINT = "pip install 'lightning-hooks[plots]'"
 """How to install what the figures need."""
 

@@ -11,6 +11,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+__all__ = ["build_layout"]
+
 MAX_LINES = 24
 """The most lines one chart may have."""
 

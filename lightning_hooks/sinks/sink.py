@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, names_showing
 
+__all__ = ["Sink", "echo"]
+
 
 @rank_zero_only
 def echo(text: str) -> None:
