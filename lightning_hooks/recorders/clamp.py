@@ -10,6 +10,7 @@ from torch import nn
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.shards import is_sharded, local
+from lightning_hooks.stats.state import counted
 
 __all__ = ["GradClamper"]
 
@@ -40,6 +41,12 @@ class ClampCount:
         return total_clamped / total_seen if total_seen else None
 
 
+def count_above(t: torch.Tensor, bound: float) -> torch.Tensor:
+    """How many values of ``t`` are above ``bound`` in magnitude (NaN is not), counted on device."""
+    magnitude = t.detach().abs()
+    return counted(torch.gt(magnitude, bound, out=magnitude), None)
+
+
 def clamp_true_gradient(
     grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount | None = None
 ) -> torch.Tensor:
@@ -57,7 +64,7 @@ def clamp_true_gradient(
         return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True, check_invariants=False)
     if scale is None:
         if count is not None and count.active:
-            count.clamped.append((grad.abs() > value).sum())
+            count.clamped.append(count_above(grad, value))
             count.seen += grad.numel()
         return grad.clamp(-value, value)
     bound = (scale * value).to(grad.dtype)
@@ -146,7 +153,7 @@ class GradClamper:
         dense = [grad for grad in grads if grad.layout == torch.strided]
         with torch.no_grad():
             if count.active:
-                count.clamped += [(grad.abs() > value).sum() for grad in dense]
+                count.clamped += [count_above(grad, value) for grad in dense]
                 count.seen += sum(grad.numel() for grad in dense)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)

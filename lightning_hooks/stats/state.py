@@ -18,6 +18,7 @@ __all__ = [
     "State",
     "abs_mean",
     "combine",
+    "counted",
     "derive",
     "derive_table",
     "nonfinite_count",
@@ -61,12 +62,14 @@ def reduce_rows(m: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(k, WIDTH, dtype=torch.float64, device=x.device)
     mean = x.mean(1)
-    spread = torch.linalg.vector_norm(x - mean.unsqueeze(1), dim=1)
+    centred = x - mean.unsqueeze(1)
+    spread = torch.linalg.vector_norm(centred, dim=1)
     magnitude = x.abs()
-    nonzero = _counted(torch.ne(magnitude, 0, out=torch.empty_like(magnitude)), 1)
+    abs_sum, abs_max = magnitude.sum(1), magnitude.amax(1)
+    nonzero = counted(torch.ne(magnitude, 0, out=centred), 1)  # the temporaries are reused for the flags
+    finite = counted(torch.le(magnitude, torch.finfo(x.dtype).max, out=magnitude), 1)
     # mean, spread, then the last fields of a state in their order
-    raw = torch.stack([mean, spread, nonzero, nonfinite_count(magnitude, 1), magnitude.sum(1), magnitude.amax(1)], 1)
-    raw = raw.double()
+    raw = torch.stack([mean, spread, nonzero, n - finite, abs_sum, abs_max], 1).double()
     mean, spread = raw[:, :1], raw[:, 1:2]
     total = mean * n
     sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean²
@@ -74,26 +77,26 @@ def reduce_rows(m: torch.Tensor) -> torch.Tensor:
 
 
 def nonfinite_count(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """How many values of ``t`` are NaN or Inf (along ``dim``, or in all), on ``t``'s device, as floats.
+    """How many values of the floating-point ``t`` are NaN or Inf (along ``dim``, or in all), on its device.
 
-    ``t * 0`` is NaN exactly there; comparisons written into a float tensor and summed (here and for the non-zero
-    count) are several times faster than reductions of boolean masks.
+    A value is finite exactly when its magnitude is at most the dtype's largest (NaN compares false).
+    Comparisons written into a float tensor and summed are several times faster than reductions of boolean masks.
 
     Example::
 
         >>> int(nonfinite_count(torch.tensor([1.0, -0.0, float("nan"), -float("inf"), 3e38])))
         2
     """
-    flags = t.detach() * 0
-    return _counted(torch.ne(flags, 0, out=flags), dim)
+    magnitude = t.detach().abs()
+    size = magnitude.numel() if dim is None else magnitude.shape[dim]
+    return size - counted(torch.le(magnitude, torch.finfo(magnitude.dtype).max, out=magnitude), dim)
 
 
-def _counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
+def counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
     """The sum of 0/1 ``flags``: in their float dtype while that counts exactly (up to 2**24), in float64 beyond."""
     size = flags.numel() if dim is None else flags.shape[dim]
-    return flags.sum(
-        dim, dtype=torch.float64 if size > 1 << 24 or flags.dtype in (torch.float16, torch.bfloat16) else None
-    )
+    wide = size > 1 << 24 or flags.dtype in (torch.float16, torch.bfloat16)
+    return flags.sum(dim, dtype=torch.float64 if wide else None)
 
 
 def state_row(t: torch.Tensor) -> torch.Tensor:
