@@ -35,27 +35,11 @@ class GradClamp(HookCallback):
     automatic optimization, no ``GradScaler`` and no accumulation, all in place as the pass ends). With
     ``mode="accumulated"`` the accumulated ``.grad`` is clamped in place in ``on_before_optimizer_step``.
 
-    Frozen parameters are skipped; a shared parameter is clamped once. On logging steps the share of
-    gradient elements that were clamped is logged as ``grad_clamp/clamped_fraction``.
-
-    Which mode to pick:
-
-    * ``"backward"`` bounds each backward pass's contribution: with ``k`` accumulated micro-batches a
-      gradient can reach ``k * value``; under DDP each rank clamps its local gradient *before* the
-      all-reduce averages them.
-    * ``"accumulated"`` clamps the gradient the optimizer will use, after accumulation, the DDP
-      all-reduce and AMP unscaling: ``Trainer(gradient_clip_val=value, gradient_clip_algorithm="value")``
-      in every setup, also where parameter tensor hooks do not fire (FSDP1's flat parameters).
-
-    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard``) ``"accumulated"`` clamps each rank's
-    shard of the reduced gradient and ``"backward"`` each rank's own gradient before FSDP
-    reduce-scatters it; ``grad_clamp/clamped_fraction`` counts every rank's elements. Under
-    ``torch.compile`` both modes work unchanged.
-
-    In both modes the bound applies to the *true* gradient. Under an enabled ``GradScaler`` the
-    backward hook sees scaled gradients, so it clamps to ``value * scale`` and leaves ``inf``/``NaN``
-    untouched, so that the scaler still skips an overflowing step. With one process and no gradient
-    accumulation both modes give exactly the weights of Lightning's value clipping.
+    Frozen parameters are skipped; a shared parameter is clamped once. The bound applies to the *true*
+    gradient: under an enabled ``GradScaler`` the backward hook clamps to ``value * scale`` and leaves
+    ``inf``/``NaN`` alone, so that the scaler still skips an overflowing step. On logging steps the share of
+    gradient elements that were clamped is logged as ``grad_clamp/clamped_fraction`` (every rank's, under
+    DDP and FSDP2). Which mode to pick, and how each behaves under DDP, FSDP2 and AMP: docs/grad-clamp.md.
 
     Args:
         value: The bound, a positive finite number.

@@ -149,8 +149,9 @@ class GradClamper:
     def _clamp_in_place(self, grads: list[torch.Tensor]) -> None:
         """Clamp ``grads`` in place, counting the clamped elements while :attr:`count` is active."""
         value, count = self.value, self.count
-        sparse = [grad for grad in grads if grad.layout != torch.strided]
-        dense = [grad for grad in grads if grad.layout == torch.strided]
+        strided = torch.strided  # a singleton: `is` keeps this every-step loop cheap
+        sparse = [grad for grad in grads if grad.layout is not strided]
+        dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
         with torch.no_grad():
             if count.active:
                 count.clamped += [count_above(grad, value) for grad in dense]
