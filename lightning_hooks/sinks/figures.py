@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -43,28 +43,15 @@ def gradient_flow_series(rows: Mapping[str, State]) -> tuple[list[str], list[flo
     from ``rows`` (qualified parameter name to state)."""
     pooled: dict[str, list[State]] = {}
     for name, row in rows.items():
-        module = name.rpartition(".")[0]
-        pooled.setdefault(label(module), []).append(row)
-    layers, means, maxes = [], [], []
-    for layer, members in pooled.items():
-        row = combine(members)
-        if not row.numel:
-            continue
-        layers.append(layer)
-        means.append(abs_mean(row))
-        maxes.append(derive(row, ["abs_max"])["abs_max"])
-    return layers, means, maxes
+        pooled.setdefault(label(name.rpartition(".")[0]), []).append(row)
+    kept = {layer: row for layer, members in pooled.items() if (row := combine(members)).numel}
+    return list(kept), [abs_mean(r) for r in kept.values()], [derive(r, ["abs_max"])["abs_max"] for r in kept.values()]
 
 
 def zero_fraction_series(rows: Mapping[str, State]) -> tuple[list[str], list[float]]:
     """Per layer output, in call order, the share of exact zeros: ``(layers, zero_frac)``."""
-    layers, values = [], []
-    for name, row in rows.items():
-        stats = derive(row, ["zero_frac"])
-        if stats:
-            layers.append(name)
-            values.append(stats["zero_frac"])
-    return layers, values
+    zero_frac = {name: stats["zero_frac"] for name, row in rows.items() if (stats := derive(row, ["zero_frac"]))}
+    return list(zero_frac), list(zero_frac.values())
 
 
 def render_gradient_flow(
@@ -86,22 +73,13 @@ def render_gradient_flow(
     axes.set_yscale("log")
     axes.set_ylim(floor, top)
     bad = [not (math.isfinite(a) and math.isfinite(b)) for a, b in zip(mean_abs, max_abs, strict=True)]
+    above: dict[str, Any] = {"textcoords": "offset points", "ha": "center", "va": "bottom"}
+    alarm: dict[str, Any] = {"color": _BAD_COLOR, "rotation": 90, "fontsize": 8, "fontweight": "bold"}
     for i, (is_bad, peak) in enumerate(zip(bad, max_abs, strict=True)):
         if is_bad:
-            axes.annotate(
-                "NaN/Inf",
-                (i, floor),
-                xytext=(0, 4),
-                textcoords="offset points",
-                color=_BAD_COLOR,
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-                fontweight="bold",
-            )
+            axes.annotate("NaN/Inf", (i, floor), xytext=(0, 4), **above, **alarm)
         elif peak == 0:
-            axes.annotate("0", (i, floor), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom")
+            axes.annotate("0", (i, floor), xytext=(0, 2), **above)
     _finish(axes, layers, bad, f"Gradient flow · step {step}", "|gradient| (log scale)")
     axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
     return _pixels(figure)
