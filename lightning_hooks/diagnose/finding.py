@@ -133,8 +133,8 @@ class Finding:
                 lines.append(f"gradients w.r.t. outputs: {_ranges(self.given, 'output')}")
                 if self.shared_with:
                     lines.append(
-                        f"that input is also the input of {_names(self.shared_with)}: its gradient is the sum of "
-                        f"theirs, so any of these may have made it"
+                        f"that input is also the input of {_listed([f'`{n}`' for n in self.shared_with])}: "
+                        f"its gradient is the sum of theirs, so any of these may have made it"
                     )
             else:
                 lines.append(
@@ -142,14 +142,11 @@ class Finding:
                     f"({reading.bad()}): it was made after the selected modules, in the loss or in code between them"
                 )
         if self.parameters:
-            shown = ", ".join(f"`{name}` ({r.nonfinite:,} of {r.numel:,})" for name, r in self.parameters[:_SHOWN])
-            more = f" and {len(self.parameters) - _SHOWN} more" if len(self.parameters) > _SHOWN else ""
-            lines.append(f"parameter gradients with NaN/Inf values: {shown}{more}")
-        where = [f"step {step}"] if step is not None else []
-        if self.batch_idx is not None:
-            where.append(f"batch {self.batch_idx}")
-        if self.rank is not None:
-            where.append(f"rank {self.rank}")
+            shown = _listed([f"`{name}` ({r.nonfinite:,} of {r.numel:,})" for name, r in self.parameters])
+            lines.append(f"parameter gradients with NaN/Inf values: {shown}")
+        where = [
+            f"{k} {v}" for k, v in (("step", step), ("batch", self.batch_idx), ("rank", self.rank)) if v is not None
+        ]
         if where:
             lines.append(", ".join(where))
         return lines
@@ -166,9 +163,8 @@ def _ranges(tensors: Sequence[tuple[str, Reading]], what: str) -> str:
     return "; ".join(shown + more)
 
 
-def _names(names: Sequence[str]) -> str:
-    shown = ", ".join(f"`{n}`" for n in names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+def _listed(items: Sequence[str]) -> str:
+    return ", ".join(items[:_SHOWN]) + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
 
 
 _PHASES: tuple[Phase, ...] = ("forward", "loss", "backward", "parameter")
@@ -195,6 +191,4 @@ def with_parameters(finding: Finding | None, parameters: tuple[tuple[str, Readin
     """Add the non-finite parameter gradients to a finding, or make a ``parameter`` finding of them."""
     if not parameters:
         return finding
-    if finding is None:
-        return Finding("parameter", parameters=parameters)
-    return replace(finding, parameters=parameters)
+    return Finding("parameter", parameters=parameters) if finding is None else replace(finding, parameters=parameters)

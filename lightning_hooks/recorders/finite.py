@@ -99,11 +99,6 @@ def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int
     return max((readings[slot].severity for _, slot in slots), default=FINITE)
 
 
-def _inside(name: str, container: str) -> bool:
-    """Whether module ``name`` is ``container`` itself or below it."""
-    return container == "" or name == container or name.startswith(container + ".")
-
-
 class NonFiniteRecorder:
     """Record, per module call and per gradient, whether the values were finite; find the first that was not.
 
@@ -150,8 +145,7 @@ class NonFiniteRecorder:
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         for name, module in modules:
-            kind = type_label(module)
-            handles.add(module.register_forward_pre_hook(_Enter(self, name, kind), with_kwargs=True))
+            handles.add(module.register_forward_pre_hook(_Enter(self, name, type_label(module)), with_kwargs=True))
             handles.add(module.register_forward_hook(_Exit(self, name)))
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -207,8 +201,7 @@ class NonFiniteRecorder:
             or any(slot in bad for call in self.calls for _, slot in call.outputs)
         ):
             return None, rest
-        finding = self._forward(readings) or self._loss(readings) or self._backward(readings)
-        return finding, rest
+        return self._forward(readings) or self._loss(readings) or self._backward(readings), rest
 
     def _call_finding(self, phase: Phase, index: int, **kwargs: Any) -> Finding:
         call = self.calls[index]
@@ -237,10 +230,7 @@ class NonFiniteRecorder:
         return self._call_finding("forward", index, tensor=(path, readings[slot]), given=given, made_here=made_here)
 
     def _loss(self, readings: list[Reading]) -> Finding | None:
-        for slot in self.losses:
-            if readings[slot].severity:
-                return Finding("loss", tensor=("", readings[slot]))
-        return None
+        return next((Finding("loss", tensor=("", readings[s])) for s in self.losses if readings[s].severity), None)
 
     def _backward(self, readings: list[Reading]) -> Finding | None:
         out_worst: dict[int, int] = {}
@@ -262,8 +252,8 @@ class NonFiniteRecorder:
                 names = [self.calls[c].name for c, _ in makers]
                 inner = [
                     (c, p)
-                    for c, p in makers
-                    if not any(n != self.calls[c].name and _inside(n, self.calls[c].name) for n in names)
+                    for (c, p), own in zip(makers, names, strict=True)
+                    if not any(n != own and (not own or n.startswith(own + ".")) for n in names)
                 ]
                 (call, path), others = inner[0], [self.calls[c].name for c, _ in inner[1:]]
                 given = tuple((p, readings[s]) for p, s in out_grads.get(call, []))
