@@ -25,10 +25,7 @@ _MAX_DEPTH = 32
 
 
 def _key(entry: Any) -> str:
-    for attr in ("idx", "key", "name"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
+    return next((str(getattr(entry, a)) for a in ("idx", "key", "name") if hasattr(entry, a)), str(entry))
 
 
 def _opaque_container(obj: Any) -> bool:
@@ -123,9 +120,7 @@ def call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     A single positional argument is shown as itself; otherwise positional arguments are keyed by
     position and keyword arguments by name.
     """
-    if len(args) == 1 and not kwargs:
-        return args[0]
-    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+    return args[0] if len(args) == 1 and not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
 
 
 def format_leaf(leaf: Leaf) -> str:

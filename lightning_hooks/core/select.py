@@ -38,8 +38,7 @@ def unwrapped(name: str) -> str:
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """``model.named_parameters()`` under the names :func:`named_modules` gives their modules."""
-    for name, param in model.named_parameters():
-        yield unwrapped(name), param
+    return ((unwrapped(name), param) for name, param in model.named_parameters())
 
 
 def label(name: str) -> str:

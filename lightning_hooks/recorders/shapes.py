@@ -193,25 +193,17 @@ def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
             i += 1
             continue
         first, head = run.name(run.first), run.name(run.first) + f"\u2013{run.first + run.count - 1}"
-        block = collapse_repeats(rows[i : run.block_end])
-        shown += [
-            (head + name[len(first) :], row, run.count if j == 0 else n) for j, (name, row, n) in enumerate(block)
-        ]
+        block = enumerate(collapse_repeats(rows[i : run.block_end]))
+        shown += [(head + name[len(first) :], row, run.count if j == 0 else n) for j, (name, row, n) in block]
         i = run.end
     return shown
 
 
 def _cells(rows: list[ShapeRow], collapse: bool) -> list[tuple[str, ...]]:
     shown = collapse_repeats(rows) if collapse else [(label(r.name), r, 1) for r in rows]
+    named = [(f"{name}  \u00d7{n}" if n > 1 else name, r) for name, r, n in shown]
     return [
-        (
-            f"{name}  \u00d7{n}" if n > 1 else name,
-            r.type,
-            format_signature(r.inputs),
-            format_signature(r.outputs),
-            f"{r.params:,}",
-        )
-        for name, r, n in shown
+        (name, r.type, format_signature(r.inputs), format_signature(r.outputs), f"{r.params:,}") for name, r in named
     ]
 
 

@@ -97,8 +97,7 @@ def build_layout(tags: Iterable[str], max_lines: int = MAX_LINES) -> Layout:
             charts[base] = ("Multiline", [f"^{re.escape(stat.prefix)}/.+$"])
             continue
         for title, patterns in groups:
-            alternatives = "|".join(patterns)
-            charts[f"{base} · {title}"] = ("Multiline", [f"^{re.escape(stat.prefix)}/(?:{alternatives})$"])
+            charts[f"{base} · {title}"] = ("Multiline", [f"^{re.escape(stat.prefix)}/(?:{'|'.join(patterns)})$"])
     return layout
 
 
