@@ -149,8 +149,7 @@ class NonFiniteRecorder:
             handles.add(module.register_forward_hook(_Exit(self, name)))
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        slot = self.readings.take(loss)
-        if slot is not None:
+        if (slot := self.readings.take(loss)) is not None:
             self.losses.append(slot)
 
     def _measure(self, t: torch.Tensor) -> _Seen:
@@ -211,42 +210,32 @@ class NonFiniteRecorder:
         )
 
     def _forward(self, readings: list[Reading]) -> Finding | None:
-        first: int | None = None
-        for index in self.finished:
-            call = self.calls[index]
-            out = _worst(call.outputs, readings)
-            if out == FINITE:
-                continue
-            if out > _worst(call.inputs, readings):
-                return self._forward_finding(index, readings, made_here=True)
-            if first is None:
-                first = index
-        return None if first is None else self._forward_finding(first, readings, made_here=False)
-
-    def _forward_finding(self, index: int, readings: list[Reading], made_here: bool) -> Finding:
+        bad = [i for i in self.finished if _worst(self.calls[i].outputs, readings) != FINITE]
+        made = [i for i in bad if _worst(self.calls[i].outputs, readings) > _worst(self.calls[i].inputs, readings)]
+        if not bad:
+            return None
+        index = (made or bad)[0]
         call = self.calls[index]
         path, slot = max(call.outputs, key=lambda item: readings[item[1]].severity)
         given = tuple((p, readings[s]) for p, s in call.inputs)
-        return self._call_finding("forward", index, tensor=(path, readings[slot]), given=given, made_here=made_here)
+        return self._call_finding("forward", index, tensor=(path, readings[slot]), given=given, made_here=bool(made))
 
     def _loss(self, readings: list[Reading]) -> Finding | None:
         return next((Finding("loss", tensor=("", readings[s])) for s in self.losses if readings[s].severity), None)
 
     def _backward(self, readings: list[Reading]) -> Finding | None:
-        out_worst: dict[int, int] = {}
         out_grads: dict[int, list[tuple[str, int]]] = {}
         for group, slot in self.events:
             for call, path, output in self.groups[group]:
                 if output:
-                    out_worst[call] = max(out_worst.get(call, FINITE), readings[slot].severity)
                     out_grads.setdefault(call, []).append((path, slot))
-        first: tuple[int, int] | None = None
-        for group, slot in self.events:
+        out_worst = {call: _worst(grads, readings) for call, grads in out_grads.items()}
+        events = [(group, slot) for group, slot in self.events if readings[slot].severity != FINITE]
+        if not events:
+            return None
+        for group, slot in events:
             bad = readings[slot].severity
-            if bad == FINITE:
-                continue
-            roles = self.groups[group]
-            makers = [(c, p) for c, p, output in roles if not output and out_worst.get(c, FINITE) < bad]
+            makers = [(c, p) for c, p, output in self.groups[group] if not output and out_worst.get(c, FINITE) < bad]
             if makers:
                 # A container and its first child share their input: name the innermost.
                 names = [self.calls[c].name for c, _ in makers]
@@ -260,11 +249,7 @@ class NonFiniteRecorder:
                 return self._call_finding(
                     "backward", call, tensor=(path, readings[slot]), given=given, shared_with=tuple(others)
                 )
-            if first is None:
-                first = (group, slot)
-        if first is None:
-            return None
-        group, slot = first
+        group, slot = events[0]
         roles = self.groups[group]
         call, path, _ = next((r for r in roles if r[2]), roles[0])
         return self._call_finding("backward", call, tensor=(path, readings[slot]), made_here=False)
@@ -314,8 +299,7 @@ class _GradProbe:
         recorder = self.recorder
         if recorder.generation != self.generation:  # a graph kept from a step already read
             return
-        slot = recorder.readings.take(grad)
-        if slot is not None:
+        if (slot := recorder.readings.take(grad)) is not None:
             recorder.events.append((self.group, slot))
 
 
