@@ -129,8 +129,7 @@ class Dashboard:
         started = time.monotonic()
         for prefix, prefix_rows in rows.items():
             tag, draw = FIGURES[prefix]
-            image = draw(prefix_rows, step)
-            if image is not None:
+            if (image := draw(prefix_rows, step)) is not None:
                 self.sink.image(trainer, tag, image, step)
             # A drawn figure is a web of reference cycles: collected now, the next figure reuses its memory.
             gc.collect()

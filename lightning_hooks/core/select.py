@@ -82,8 +82,7 @@ def _str_list(owner: str, arg: str, value: object) -> list[str] | None:
 
 def _few(names: Sequence[str], near: str = "", n: int = 8) -> str:
     close = difflib.get_close_matches(near, names, n=n, cutoff=0.4) if near else []
-    rest = [x for x in names if x not in close]
-    shown = (close + rest)[:n]
+    shown = (close + [x for x in names if x not in close])[:n]
     more = f", ... ({len(names) - len(shown)} more)" if len(names) > len(shown) else ""
     return ", ".join(repr(x) for x in shown) + more
 
@@ -159,13 +158,12 @@ class ModuleSelector:
         return [(name, module) for name, module in candidates if self._wanted(name, module)]
 
     def _wanted(self, name: str, module: nn.Module) -> bool:
-        if self.include is not None and not any(fnmatchcase(name, p) for p in self.include):
-            return False
-        if self.exclude is not None and any(fnmatchcase(name, p) for p in self.exclude):
-            return False
-        if self.types is not None and not any(cls.__name__ in self.types for cls in type(module).__mro__):
-            return False
-        return self.max_depth is None or depth(name) <= self.max_depth
+        return (
+            (self.include is None or any(fnmatchcase(name, p) for p in self.include))
+            and (self.exclude is None or not any(fnmatchcase(name, p) for p in self.exclude))
+            and (self.types is None or any(cls.__name__ in self.types for cls in type(module).__mro__))
+            and (self.max_depth is None or depth(name) <= self.max_depth)
+        )
 
 
 def depth(name: str) -> int:

@@ -108,13 +108,12 @@ class Finding:
         if self.phase == "forward":
             if self.made_here:
                 lines.append(f"forward: {who} made non-finite values from finite inputs; {out}: {reading.bad()}")
-                lines.append(f"inputs: {_ranges(self.given, 'input')}")
             else:
                 lines.append(
                     f"forward: no selected module made non-finite values from finite ones; they first appear in the "
                     f"{out} of {who}: {reading.bad()}"
                 )
-                lines.append(f"inputs (already non-finite): {_ranges(self.given, 'input')}")
+            lines.append(f"inputs{'' if self.made_here else ' (already non-finite)'}: {_ranges(self.given, 'input')}")
         elif self.phase == "loss" and not self.reproduced:
             lines.append(
                 f"loss: the loss was non-finite ({reading.range()}) but the replay of the step found every value it "

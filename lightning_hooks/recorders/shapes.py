@@ -87,8 +87,7 @@ class _ShapeHook:
         recorder = self.recorder
         if not recorder.active or in_backward():
             return
-        pending = recorder._open.get(self.name)
-        if pending:
+        if pending := recorder._open.get(self.name):
             pending.pop().outputs = signature(output)
 
 

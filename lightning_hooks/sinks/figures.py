@@ -88,9 +88,8 @@ def render_gradient_flow(
 def render_zero_fraction(layers: Sequence[str], zero_frac: Sequence[float], step: int) -> NDArray[np.uint8]:
     """Bars of each layer's activation zero fraction in call order; red from :data:`DEAD` (dead ReLUs) up."""
     figure, axes = _figure(len(layers))
-    x = np.arange(len(layers))
     dead = [v >= DEAD for v in zero_frac]
-    axes.bar(x, zero_frac, width=0.7, color=[_BAD_COLOR if d else _OK_COLOR for d in dead])
+    axes.bar(np.arange(len(layers)), zero_frac, width=0.7, color=[_BAD_COLOR if d else _OK_COLOR for d in dead])
     axes.axhline(DEAD, color=_BAD_COLOR, linestyle="--", linewidth=1, label=f"{DEAD:.0%}: mostly dead")
     axes.set_ylim(0, 1.05)
     axes.yaxis.set_major_formatter("{x:.0%}")

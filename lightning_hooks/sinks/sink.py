@@ -21,6 +21,8 @@ from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, 
 
 __all__ = ["Sink", "echo"]
 
+_Rows = Sequence[Sequence[Cell]]
+
 
 @rank_zero_only
 def echo(text: str) -> None:
@@ -120,13 +122,7 @@ class Sink:
 
     @rank_zero_only
     def table(
-        self,
-        trainer: pl.Trainer,
-        tag: str,
-        columns: Sequence[str],
-        rows: Sequence[Sequence[Cell]],
-        step: int,
-        caption: str = "",
+        self, trainer: pl.Trainer, tag: str, columns: Sequence[str], rows: _Rows, step: int, caption: str = ""
     ) -> None:
         """Rows under named columns (one per module call, one per finding): a ``wandb.Table`` for W&B,
         markdown (after ``caption`` in bold) for TensorBoard, and in ``<tag>.md`` for MLflow and CSV."""
