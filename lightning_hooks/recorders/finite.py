@@ -157,8 +157,7 @@ class NonFiniteRecorder:
         seen = self._seen.get(id(t))
         if seen is not None and seen.version == t._version and seen.ref() is t:
             return seen
-        seen = _Seen(weakref.ref(t), t._version, self.readings.take(t))
-        self._seen[id(t)] = seen
+        seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
         return seen
 
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
@@ -281,8 +280,7 @@ class _Exit:
         recorder = self.recorder
         if not recorder.active or in_backward():
             return
-        open_calls = recorder._open.get(self.name)
-        if not open_calls:
+        if not (open_calls := recorder._open.get(self.name)):
             return
         index = open_calls.pop()
         recorder.finished.append(index)
@@ -380,26 +378,19 @@ def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
     parts, chunk, size = [], [], 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
         chunk.append(t)
         size += t.numel()
-        if size >= CHUNK:
-            parts.append(_sum_of(chunk))
+        if size >= CHUNK or i == len(tensors) - 1:
+            # The values end to end (one dtype after promotion), both parts of complex ones, summed in float32.
+            values = torch._C._nn.flatten_dense_tensors(chunk)
+            parts.append((torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float32))
             chunk, size = [], 0
-    if chunk:
-        parts.append(_sum_of(chunk))
     return torch.stack(parts).sum()
 
 
 CHUNK = 1 << 22
 """Elements :func:`_finite_total` flattens at once on the CPU."""
-
-
-def _sum_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The float32 sum of the values of ``tensors`` (one dtype after promotion), end to end; of both parts of
-    complex values."""
-    values = torch._C._nn.flatten_dense_tensors(tensors)
-    return (torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float32)
 
 
 def parameter_readings(

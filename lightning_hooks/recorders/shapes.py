@@ -40,8 +40,7 @@ class ShapeRecorder:
     _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
 
     def clear(self) -> None:
-        self.rows = []
-        self._open = {}
+        self.rows, self._open = [], {}
 
     def attach(
         self, modules: list[tuple[str, nn.Module]], handles: HookHandles, params: dict[str, int] | None = None
