@@ -180,10 +180,8 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             continue
         if _is_metric(module):
             metrics.append(name)
-            continue
-        if any(isinstance(getattr(module, attr, None), nn.Module) for attr in _WRAPPERS):
-            continue
-        yield unwrapped(name), module
+        elif not any(isinstance(getattr(module, attr, None), nn.Module) for attr in _WRAPPERS):
+            yield unwrapped(name), module
 
 
 def is_compile_wrapper(module: nn.Module) -> bool:

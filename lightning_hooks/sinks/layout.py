@@ -118,8 +118,7 @@ def chart_groups(names: Sequence[str], max_lines: int = MAX_LINES) -> list[tuple
     if len(names) <= max_lines:
         return None
     parts = {name: name.split(".") for name in names}
-    deepest = max(len(p) for p in parts.values())
-    for depth in range(1, deepest + 1):
+    for depth in range(1, max(len(p) for p in parts.values()) + 1):
         groups: dict[str, list[str]] = {}
         for name in names:
             groups.setdefault(".".join(parts[name][:depth]), []).append(name)
@@ -140,8 +139,7 @@ def chart_groups(names: Sequence[str], max_lines: int = MAX_LINES) -> list[tuple
 
 
 def _chart(keys: list[str], depth: int) -> tuple[str, list[str]]:
-    title = keys[0] if len(keys) == 1 else f"{keys[0]} … {keys[-1]}"
     # A key with `depth` components stands for itself and everything below it; a shorter one (a
     # name with fewer components than the depth) only for itself: its children have keys of their own.
     patterns = [re.escape(k) + (r"(?:\..+)?" if k.count(".") + 1 == depth else "") for k in keys]
-    return title, patterns
+    return (keys[0] if len(keys) == 1 else f"{keys[0]} … {keys[-1]}"), patterns
