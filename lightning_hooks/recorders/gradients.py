@@ -290,11 +290,12 @@ class _UpdateRatio:
             self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
             self.params = [(name, p) for name, p in params if not is_sharded(p)]
             tensors: list[torch.Tensor] = [p for _, p in self.params]
-            self.before: list[torch.Tensor] = list(torch._foreach_mul(tensors, 1.0)) if tensors else []  # copies
+            # -w, a copy (of torch's copying foreach ops, negation costs least on CPU)
+            self.minus_before: list[torch.Tensor] = list(torch._foreach_neg(tensors)) if tensors else []
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params, self.params = self.params, []  # the copies are freed as soon as the ratios are taken
-        before, self.before = self.before, []
+        minus_before, self.minus_before = self.minus_before, []
         sharded, self.sharded = self.sharded, []
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
@@ -302,9 +303,9 @@ class _UpdateRatio:
         if not params:
             return
         with torch.no_grad():
-            change = torch._foreach_sub([p for _, p in params], before)
-            change_norms = torch.stack(torch._foreach_norm(change, dtype=torch.float64))
-            scale = torch.stack(torch._foreach_norm(before, dtype=torch.float64)).clamp_min_(1e-12)
+            change = torch._foreach_add([p for _, p in params], minus_before)
+            change_norms = torch.stack(torch._foreach_norm(change, dtype=torch.float32)).double()
+            scale = torch.stack(torch._foreach_norm(minus_before, dtype=torch.float32)).double().clamp_min_(1e-12)
         names = [name for name, _ in params]
         self.batch.add_scalars([("ratio", name) for name in names], change_norms / scale)
         if self.weight_norms:

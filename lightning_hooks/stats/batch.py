@@ -23,6 +23,9 @@ once."""
 PENDING_MAX = 1 << 22
 """The copies waiting to be reduced hold at most this many elements (16 MB of float32)."""
 
+SLAB_ROWS = 8
+"""A shape's first slab of copies holds this many rows (or as many as the shape had at the previous reduction)."""
+
 
 class OutputKeys:
     """The key of each output tensor of each module, ``(group, <layer>[.out.<path>])``, made once and then looked up."""
@@ -80,6 +83,8 @@ class StatBatch:
 
     def __init__(self, bins: int = 64) -> None:
         self.bins = bins
+        self._rows: dict[tuple[torch.device, torch.Size], int] = {}
+        """How many rows each shape's slabs held when last reduced: the size of its next first slab."""
         self.open = False
         self.clear()
 
@@ -93,8 +98,8 @@ class StatBatch:
         """Every key with a state, in the order of its first call."""
         self._blocks: list[tuple[list[Key], torch.Tensor]] = []
         """Reduced states: the keys of their rows, and the rows."""
-        self._pending: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = {}
-        """Float32 copies of small tensors waiting to be reduced together, by device and shape."""
+        self._pending: dict[tuple[torch.device, torch.Size], list[tuple[list[Key], torch.Tensor]]] = {}
+        """Per device and shape, slabs of float32 copies waiting to be reduced together, with the keys of their rows."""
         self._held = 0
         self._samples: dict[Key, list[torch.Tensor]] = {}
         self._scalars: list[tuple[Sequence[Key], torch.Tensor]] = []
@@ -123,19 +128,22 @@ class StatBatch:
                 self._take(group_keys, group, histogram)
 
     def _take(self, keys: list[Key], tensors: list[torch.Tensor], histogram: bool) -> None:
-        """Queue the rows of ``tensors`` (of one device and shape) or, if they are large, reduce each at once."""
+        """Copy the rows of ``tensors`` (of one device and shape) into their shape's slab or, if they are large,
+        reduce each at once."""
         first = tensors[0]
         self._device = self._device or first.device
-        n = first.numel()
+        n, k = first.numel(), len(tensors)
         if 0 < n <= ROW_MAX:
-            if len(tensors) > 1:  # the stack is a copy already
-                rows = torch.stack(tensors).view(len(tensors), n).float()
-            else:
-                rows = first.reshape(1, n).to(torch.float32, copy=True)
-            queued = self._pending.setdefault((first.device, first.shape), ([], []))
-            queued[0].extend(keys)
-            queued[1].append(rows)
-            self._held += n * len(tensors)
+            slot = (first.device, first.shape)
+            slabs = self._pending.setdefault(slot, [])
+            if not slabs or len(slabs[-1][0]) + k > slabs[-1][1].shape[0]:  # each new slab twice the one before
+                rows = max(k, self._rows.get(slot, SLAB_ROWS), 2 * slabs[-1][1].shape[0] if slabs else 0)
+                slabs.append(([], first.new_empty((rows, *first.shape), dtype=torch.float32)))
+            slab_keys, slab = slabs[-1]
+            used = len(slab_keys)
+            slab[used : used + k].copy_(torch.stack(tensors) if k > 1 else first)  # one tensor broadcasts to its row
+            slab_keys.extend(keys)
+            self._held += n * k
             if self._held > PENDING_MAX:
                 self._reduce_pending()
         else:
@@ -176,8 +184,10 @@ class StatBatch:
             self._vectors[key] = values if found is None else found + values
 
     def _reduce_pending(self) -> None:
-        for keys, copies in self._pending.values():
-            self._blocks.append((keys, reduce_rows(torch.cat(copies) if len(copies) > 1 else copies[0])))
+        for slot, slabs in self._pending.items():
+            self._rows[slot] = sum(len(keys) for keys, _ in slabs)  # the next step's first slab takes them all
+            for keys, slab in slabs:
+                self._blocks.append((keys, reduce_rows(slab[: len(keys)].reshape(len(keys), -1))))
         self._pending, self._held = {}, 0
 
     def fetch(self, across: Across | None = None) -> Fetched:
