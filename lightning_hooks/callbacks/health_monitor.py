@@ -14,6 +14,7 @@ from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, local
 from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
@@ -151,9 +152,10 @@ class HealthMonitor(StatsCallback):
         self._watch_grads = bool(on & GRADIENT_CHECKS)
         self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
         self._units = UnitRecorder(self._batch, fired=self._fired)
-        self._grads = ParamGradRecorder(
-            self._batch, update_ratio="update_ratio" in on, weight_norms=True, observe=False
-        )
+        judges_learning = bool(on & {"update_ratio", "vanishing_gradients", "exploding_gradients"})
+        self._grads = ParamGradRecorder(self._batch, update_ratio=judges_learning, weight_norms=True, observe=False)
+        self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
+        self._inputs: dict[str, int] = {}  # the floating-point batch tensors of this logging step: path, values
         self._ratio_handles = HookHandles()
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
@@ -204,6 +206,8 @@ class HealthMonitor(StatsCallback):
         self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
         self._norm_layers = [self._owner[name] for name, _ in self._params]
         self._numel = {name: p.numel() for name, p in self._params}
+        self._layer_of = {id(p): self._owner[name] for name, p in self._params}
+        self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
         self._with_params = frozenset(
@@ -229,6 +233,18 @@ class HealthMonitor(StatsCallback):
         self._grads.start()
         self._read, self._grad_names = set(), []
         self._units.start()
+        self._inputs = {}
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if "input_scale" in self.checks and self._batch.open:
+            for path, t in named_tensors(batch):
+                if t.is_floating_point() and t.numel():
+                    self._batch.add_vector(("input", path), t.detach().float().square().sum().reshape(1))
+                    self._inputs[path] = self._inputs.get(path, 0) + t.numel() * trainer.world_size
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -247,6 +263,9 @@ class HealthMonitor(StatsCallback):
         if self._ring is not None:
             self._ring.norms(self._step_now())
         if self._watch_grads and self._enabled and self.gate.is_open:
+            if not isinstance(optimizer, torch.optim.SGD):
+                stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
+                self._adaptive.update(layer for layer in stepped if layer is not None)
             self._record_grads(optimizer)
             self._grads.record(self._params, optimizer, self._ratio_handles)
 
@@ -291,7 +310,7 @@ class HealthMonitor(StatsCallback):
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
-        fetched = self._batch.fetch(self._across(trainer, {"units", *sharded}))
+        fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
@@ -309,7 +328,8 @@ class HealthMonitor(StatsCallback):
     ) -> Snapshot:
         outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
         units: dict[str, list[float]] = {}
-        for key, values in fetched.vectors.items():
+        vectors = fetched.vectors
+        for key, values in vectors.items():
             if key[0] != "units":
                 continue
             layer, per_unit = key[1].split(".out.", 1)[0], key in self._units.per_unit
@@ -352,9 +372,25 @@ class HealthMonitor(StatsCallback):
                 losses.append((ring_step, flat[i]))
                 norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
                 row += ring_step in with_norms
+        executed = [label(name) for name in self._units.order]
+        sizes: dict[str, int] = {}
+        for name, n in self._numel.items():
+            sizes[self._owner[name]] = sizes.get(self._owner[name], 0) + n
+        world = trainer.world_size
         return Snapshot(
             step=step,
-            order=self._order,
+            order=[*executed, *(name for name in self._order if name not in set(executed))],
+            executed=executed,
+            adaptive=frozenset(self._adaptive),
+            weight_sizes=sizes,
+            inputs={
+                k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"
+            },
+            saturated={
+                label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * world, 1)
+                for k, v in vectors.items()
+                if k[0] == "sat"
+            },
             activations={layer: _pooled(states) for layer, states in outputs.items()},
             units=units,
             grads={layer: _pooled(states) for layer, states in params.items()},

@@ -7,6 +7,7 @@ saw; :class:`~lightning_hooks.diagnose.health.HealthTracker` turns evidence into
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from lightning_hooks.stats.state import State
 
 __all__ = [
     "Evidence",
+    "input_scale",
+    "no_learning",
+    "saturation",
+    "silent_units",
     "SHOWN_LAYERS",
     "Snapshot",
     "Thresholds",
@@ -29,6 +34,8 @@ MIN_SAMPLES = 8
 """``dead_units`` judges a layer only when each of its units saw at least this many values."""
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
+SETTLED = 10
+"""The optimizer step from which a run counts as past its first steps (references for growth are taken there)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,16 @@ class Snapshot:
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None
     """What a ``NonFiniteGuard`` in the same Trainer found last: ``(layer, step, first line of its report)``."""
+    executed: Sequence[str] = ()
+    """The watched leaves in the order they first ran in this step (``order`` puts them first)."""
+    adaptive: frozenset[str] = frozenset()
+    """Layers whose parameters an adaptive optimizer (Adam and the like, anything but SGD) updates."""
+    weight_sizes: dict[str, int] = field(default_factory=dict)
+    """How many parameter values each layer of ``weights`` has."""
+    inputs: dict[str, float] = field(default_factory=dict)
+    """The RMS of each floating-point tensor of the batch, by its path in the batch (``"0"``, ``"1"``, a key)."""
+    saturated: dict[str, float] = field(default_factory=dict)
+    """Per sigmoid, tanh or softmax layer, the share of its outputs within 0.1 % of their bounds."""
 
 
 @dataclass(frozen=True)
@@ -85,42 +102,69 @@ class Evidence:
     """The step it belongs to when not the snapshot's (a loss spike between logging steps)."""
 
 
-def dead_units(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers with at least ``dead_fraction`` of their output units zero for every sample of the batch.
+def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
+    """Per layer with enough samples (:data:`MIN_SAMPLES` values per unit), which output units were zero for every
+    sample of this step."""
+    found = {}
+    for name, counts in snap.units.items():
+        act = snap.activations.get(name)
+        if counts and act is not None and act.numel / len(counts) >= MIN_SAMPLES:
+            found[name] = [c == 0 for c in counts]
+    return found
+
+
+def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
+    """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of every
+    step of the tracker's window; this step's alone by default).
 
     Units are counted in parameter-free leaves; one right after a dead one (a pooling after a dead
     ReLU) carries the same dead units on and is not named again; a layer with weights ends the chain.
     """
+    silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False
     for name in snap.order:
-        counts = snap.units.get(name)
-        act = snap.activations.get(name)
         if name in snap.leaves_with_params:
             previous_dead = False
-        if counts is None or act is None or not counts:
+        flags = silent.get(name)
+        if not flags:
             continue
-        samples = act.numel / len(counts)
-        dead = sum(1 for c in counts if c == 0)
-        share = dead / len(counts)
-        is_dead = samples >= MIN_SAMPLES and share >= limits.dead_fraction
+        dead = sum(flags)
+        share = dead / len(flags)
+        is_dead = share >= limits.dead_fraction
         if is_dead and not previous_dead:
             said = (
-                f"{dead} of {len(counts)} output units of `{label(name)}` are zero for every sample of the batch "
-                f"({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, or a "
-                f"normalization layer before the activation."
+                f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "
+                f"checked ({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, "
+                f"or a normalization layer before the activation."
             )
             found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
         previous_dead = is_dead
     return found
 
 
-def gradient_spread(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Layers whose mean ``|gradient|`` is ``gradient_spread`` times below or above the median layer's.
+def role(name: str) -> str:
+    """A layer's role: its name with block indices starred (``h.3.attn.q`` -> ``h.*.attn.q``)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
 
-    Of the low and the high layers, only those before the first layer of the other kind (nearer
-    the input) are named: small gradients that follow exploding ones are not vanishing, and the
-    other way round.
+
+def peer_medians(values: dict[str, float]) -> dict[str, float]:
+    """Per layer, the median of ``values`` over the layers of its role (at least three), else over all."""
+    roles: dict[str, list[float]] = {}
+    for name, value in values.items():
+        roles.setdefault(role(name), []).append(value)
+    overall = statistics.median(values.values())
+    return {n: statistics.median(roles[role(n)]) if len(roles[role(n)]) >= 3 else overall for n in values}
+
+
+def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+    """Layers that learn ``gradient_spread`` times less (vanishing) or more (exploding) than their peers.
+
+    A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio
+    against its peers' (the layers of its :func:`role`, or all layers), under SGD by that and by its mean
+    ``|gradient|`` against the median layer's. Layers in ``skip`` (started at zero) are not judged.
+    Vanishing layers are named nearest the input first and only before the first exploding one, and the
+    other way round; adaptive optimizers normalise exploding gradients away, so those are not judged here.
     """
     means = {
         name: state.abs_sum / state.numel
@@ -129,48 +173,65 @@ def gradient_spread(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         and state.numel
         and state.abs_sum > 0
         and math.isfinite(state.abs_sum)
+        and name not in skip
     }
     if len(means) < 3:
         return []
+    ratios = {n: r for n, r in snap.ratios.items() if n in means and math.isfinite(r) and r > 0}
+    ratio_peers = peer_medians(ratios) if len(ratios) >= 3 else {}
     median = statistics.median(means.values())
+    spread = limits.gradient_spread
+
+    def off(name: str, low: bool) -> bool:
+        by_ratio = name in ratio_peers and (
+            ratios[name] <= ratio_peers[name] / spread if low else ratios[name] >= ratio_peers[name] * spread
+        )
+        if name in snap.adaptive:
+            return low and by_ratio
+        by_gradient = means[name] <= median / spread if low else means[name] >= median * spread
+        return by_gradient and (by_ratio or name not in ratio_peers)
+
     position = {name: i for i, name in enumerate(snap.order)}
-    low = [n for n, m in means.items() if m <= median / limits.gradient_spread]
-    high = [n for n, m in means.items() if m >= median * limits.gradient_spread]
+    low = [n for n in means if off(n, True)]
+    high = [n for n in means if off(n, False)]
     first_low = min((position[n] for n in low), default=math.inf)
     first_high = min((position[n] for n in high), default=math.inf)
-    low = [n for n in low if position[n] < first_high]
-    high = [n for n in high if position[n] < first_low]
     found = []
-    for name in sorted(low, key=lambda n: means[n]):
+    for name in sorted((n for n in low if position[n] < first_high), key=position.__getitem__):
         ratio = means[name] / median
         said = (
             f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-            f"{means[name]:.2e} per element): its weights barely learn; try residual connections, normalization "
-            f"layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation."
+            f"{means[name]:.2e} per element) and its weights change {spread:.0e} times less than its peers': they "
+            f"barely learn; try residual connections, normalization layers, ReLU/GELU instead of sigmoid or tanh, or "
+            f"a better initialisation."
         )
-        found.append(Evidence("vanishing_gradients", (label(name),), ratio, 1 / limits.gradient_spread, said))
-    for name in sorted(high, key=lambda n: -means[n]):
+        found.append(Evidence("vanishing_gradients", (label(name),), ratio, 1 / spread, said))
+    for name in sorted((n for n in high if position[n] < first_low), key=position.__getitem__):
         ratio = means[name] / median
         said = (
             f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
             f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
             f"learning rate or warm-up."
         )
-        found.append(Evidence("exploding_gradients", (label(name),), ratio, limits.gradient_spread, said))
+        found.append(Evidence("exploding_gradients", (label(name),), ratio, spread, said))
     return found
 
 
-def update_ratio(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``.
 
-    Step 0 and layers whose ``||w||`` is below 1e-6 (zero-initialised) are not judged.
+    Step 0, layers in ``skip`` (started at zero by design: their ratio says nothing) and layers under an
+    adaptive optimizer before step :data:`SETTLED` (its first steps move every weight by the learning rate) are
+    not judged.
     """
     if snap.step == 0:
         return []
     found = []
     for name in snap.order:
         ratio = snap.ratios.get(name)
-        if ratio is None or not math.isfinite(ratio) or not snap.weights.get(name, 0.0) >= 1e-6:
+        if ratio is None or not math.isfinite(ratio) or name in skip or not snap.weights.get(name, 0.0) >= 1e-6:
+            continue
+        if name in snap.adaptive and snap.step < SETTLED:
             continue
         if ratio > limits.update_ratio_high:
             threshold = limits.update_ratio_high
@@ -199,7 +260,7 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
     layers: list[str] = []
     for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
-        layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]
+        layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]  # execution order
         if layers:
             count = float(len(layers))
             said = (
@@ -210,8 +271,11 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         if not bad_losses and snap.guard is None:
             return []
         count = float(len(bad_losses))
+        layers = [] if snap.guard else list(snap.executed[-1:])  # the output layer: the loss is computed from it
         said = (
-            f"the training loss was NaN/Inf at {len(bad_losses)} step(s) from step {bad_losses[0]}"
+            f"the training loss was NaN/Inf at {len(bad_losses)} step(s) from step {bad_losses[0]} while every "
+            f"layer's output was finite: the loss of the output of `{label(layers[0]) if layers else 'root'}` "
+            f"(a log or division of a value that reached 0)"
             if bad_losses
             else "a layer made NaN/Inf values"
         )
@@ -227,3 +291,59 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         f"sqrt of a non-positive number, or an overflow.{note}"
     )
     return [Evidence("nonfinite", tuple(named[:SHOWN_LAYERS]) or ("root",), count, 0.0, said, step=first)]
+
+
+INPUT_SCALE = 100.0
+"""``input_scale`` names a batch tensor whose RMS is this many times above, or below, unit scale."""
+SATURATED = 0.5
+"""``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
+
+
+def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+    """Floating-point batch tensors whose RMS is :data:`INPUT_SCALE` times off unit scale, named after the first
+    layer that ran (the last one for the batch's last tensor, a target compared with the output)."""
+    found = []
+    paths = list(snap.inputs)
+    for path, rms in snap.inputs.items():
+        if not (rms >= INPUT_SCALE or 0 < rms <= 1 / INPUT_SCALE):
+            continue
+        target = len(paths) > 1 and path == paths[-1]
+        layers = snap.executed[-1:] if target else snap.executed[:1]
+        what = "targets" if target else "inputs"
+        said = (
+            f"the batch's {what} (`{path}`) have an RMS of {rms:.3g}, {abs(math.log10(rms)):.0f} orders of magnitude "
+            f"from unit scale: standardise them (subtract the training set's mean, divide by its standard "
+            f"deviation); unscaled {what} make huge activations, losses and gradients from the first step."
+        )
+        found.append(Evidence("input_scale", tuple(label(n) for n in layers) or ("root",), rms, INPUT_SCALE, said))
+    return found
+
+
+def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+    """Every parameter gradient exactly zero: nothing learns. Named after the output layer, where the gradient
+    should have entered."""
+    grads = [s for s in snap.grads.values() if s.numel]
+    if not grads or any(s.abs_sum != 0 or s.nonfinite for s in grads):
+        return []
+    layers = tuple(label(n) for n in snap.executed[-1:]) or ("root",)
+    said = (
+        f"every parameter gradient is exactly zero at step {snap.step}: nothing learns; look for an activation over "
+        f"one unit (a softmax over a single output is always 1), a detached tensor (`.detach()`, `.item()`, "
+        f"`torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
+    )
+    return [Evidence("no_learning", layers, 0.0, 0.0, said)]
+
+
+def saturation(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds."""
+    found = []
+    for name in snap.order:
+        share = snap.saturated.get(name, 0.0)
+        if share >= SATURATED:
+            said = (
+                f"{share:.0%} of the outputs of `{label(name)}` are within 0.1 % of their bounds: saturated units "
+                f"pass almost no gradient back; normalise the inputs, use a smaller initialisation, or give "
+                f"`cross_entropy` / `binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."
+            )
+            found.append(Evidence("saturation", (label(name),), share, SATURATED, said))
+    return found

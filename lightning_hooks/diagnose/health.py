@@ -17,13 +17,18 @@ from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks import (
+    SETTLED,
     SHOWN_LAYERS,
     Evidence,
     Snapshot,
     Thresholds,
     dead_units,
     gradient_spread,
+    input_scale,
+    no_learning,
     nonfinite,
+    saturation,
+    silent_units,
     update_ratio,
 )
 from lightning_hooks.stats.state import State
@@ -47,6 +52,9 @@ Check = Literal[
     "activation_growth",
     "nonfinite",
     "loss_spike",
+    "saturation",
+    "input_scale",
+    "no_learning",
 ]
 """A check's name (the type of ``HealthMonitor(checks=...)``, which LightningCLI reads)."""
 
@@ -63,6 +71,14 @@ ALIKE = 10.0
 """Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
 MAD_SCALE = 1.4826
 """``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
+MOMENTS = ("loss_spike", "exploding_gradients")
+"""Immediate checks whose evidence belongs to one moment (a step, a run of steps), not to the logging step."""
+DEAD_SAMPLES = 512
+"""``dead_units`` judges a layer whose units are not all silent over a window of at least this many samples."""
+RISE_MAX = 64
+"""``exploding_gradients`` follows a steady rise of the gradient norm over at most this many logging steps."""
+ZERO_START = 1e-4
+"""A layer whose weights' RMS is below this when first seen started at zero by design (LoRA's B, layer scale)."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +125,16 @@ class HealthTracker:
         self._index: dict[tuple[str, tuple[str, ...]], int] = {}
         self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}  # first step, length in logging steps
         self._step_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
-        self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
+        self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=RISE_MAX)
         self._top_median = 0.0
         self._previous_step = -1
         self._last_spike: tuple[int, Evidence] | None = None
-        self._first_rms: dict[str, tuple[float, int]] = {}
+        self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
+        self._reference_loss: float | None = None
+        self._zero_start: set[str] = set()
+        self._seen_weights: set[str] = set()
+        self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # per layer and logging step: its step,
+        # which units were silent, and how many samples each unit saw
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
         self.affected: dict[str, int] = {}
@@ -125,20 +146,32 @@ class HealthTracker:
         persistent: list[Evidence] = []
         immediate: list[Evidence] = []
         on = set(self.checks)
+        for name in snap.weights.keys() - self._seen_weights:
+            self._seen_weights.add(name)
+            if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
+                self._zero_start.add(name)
+        skip = frozenset(self._zero_start)
+        stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         if "dead_units" in on:
-            persistent += dead_units(snap, self.limits)
-        if on & {"vanishing_gradients", "exploding_gradients"}:
-            persistent += [e for e in gradient_spread(snap, self.limits) if e.check in on]
+            immediate += self._dead_units(snap)
+        if on & {"vanishing_gradients", "exploding_gradients"} and not stalled:
+            persistent += [e for e in gradient_spread(snap, self.limits, skip) if e.check in on]
         if "exploding_gradients" in on:
             immediate += self._norm_growth(snap)
-        if "update_ratio" in on:
-            persistent += update_ratio(snap, self.limits)
+        if "update_ratio" in on and not stalled:
+            persistent += update_ratio(snap, self.limits, skip)
         if "activation_growth" in on:
             persistent += self._activation_growth(snap)
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
             immediate += self._loss_spikes(snap)
+        if "saturation" in on:
+            persistent += saturation(snap, self.limits)
+        if "input_scale" in on:
+            immediate += input_scale(snap, self.limits)
+        if "no_learning" in on:
+            immediate += stalled
         self._touched = set()
         new: list[HealthFinding] = []
         held = set()
@@ -156,7 +189,7 @@ class HealthTracker:
             if e.check == "nonfinite":  # NaN spreads: a finding that held at the previous logging step goes on
                 going_on = [f for f in self.findings if f.check == e.check and f.last_step == self._previous_step]
                 e = replace(e, layers=going_on[0].layers) if going_on else e
-            new += self._record(e, step, snap.step if e.check == "nonfinite" else step)
+            new += self._record(e, step, step if e.check in MOMENTS else snap.step)
         self._previous_step = snap.step
         layers: dict[str, set[str]] = {check: set() for check in self.checks}
         for check, names in self._touched:
@@ -175,6 +208,31 @@ class HealthTracker:
         self._index[key] = len(self.findings)
         self.findings.append(finding)
         return [finding]
+
+    def _dead_units(self, snap: Snapshot) -> list[Evidence]:
+        """``dead_units`` over a window: units zero for every sample of the last ``patience`` or more logging steps,
+        :data:`DEAD_SAMPLES` samples in all; a layer whose every unit is silent is reported at once."""
+        silent = silent_units(snap)
+        for name in self._silent.keys() - silent.keys():
+            del self._silent[name]
+        window: dict[str, list[bool]] = {}
+        starts: dict[str, int] = {}
+        for name, flags in silent.items():
+            kept = self._silent.setdefault(name, deque(maxlen=RISE_MAX))
+            if kept and len(kept[-1][1]) != len(flags):
+                kept.clear()
+            state = snap.activations[name]
+            kept.append((snap.step, flags, state.numel / len(flags)))
+            seen, steps = 0.0, 0
+            for *_, samples in reversed(kept):
+                seen, steps = seen + samples, steps + 1
+                if seen >= DEAD_SAMPLES and steps >= self.limits.patience:
+                    break
+            if all(flags) or (seen >= DEAD_SAMPLES and steps >= self.limits.patience):
+                steps = 1 if all(flags) else steps
+                window[name] = [all(column) for column in zip(*(f for _, f, _ in list(kept)[-steps:]), strict=True)]
+                starts[label(name)] = kept[-steps][0]
+        return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
         """The total gradient norm rising at each of ``patience`` logging steps in a row and ``norm_growth``-fold
@@ -204,12 +262,15 @@ class HealthTracker:
         return found[:1]
 
     def _grew(self, run: list[tuple[int, dict[str, float]]], how: str, overflowed: bool = False) -> list[Evidence]:
-        """Evidence when the last ``patience + 1`` totals of ``run`` (three if it ``overflowed``) rise at each
-        step and ``norm_growth``-fold."""
+        """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
+        if it ``overflowed``), ``norm_growth``-fold from the start of the rise."""
         length = 3 if overflowed else self.limits.patience + 1
-        run = run[-length:]
         totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
-        if len(totals) < length or not all(b > a for a, b in zip(totals, totals[1:], strict=False)):
+        rising = 1
+        while rising < len(totals) and totals[-rising - 1] < totals[-rising] and not (overflowed and rising == 3):
+            rising += 1
+        run, totals = run[-rising:], totals[-rising:]
+        if len(totals) < length:
             return []
         growth = totals[-1] / max(totals[0], 1e-30)
         if growth < self.limits.norm_growth:
@@ -226,32 +287,38 @@ class HealthTracker:
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
     def _activation_growth(self, snap: Snapshot) -> list[Evidence]:
-        """Output RMS ``activation_growth`` times that of the layers before it, or of its own first logging step."""
+        """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
+        settled (the first logging step from step :data:`SETTLED`) while the loss did not fall since."""
         limit = self.limits.activation_growth
+        loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
+        settling = snap.step >= SETTLED and self._reference_loss is None
+        if settling:
+            self._reference_loss = loss
+        learning = loss < self._reference_loss if self._reference_loss is not None else False
         found = []
-        earlier: list[float] = []
+        top = 0.0
         for name in snap.order:
             state = snap.activations.get(name)
             if state is None or not state.numel or state.nonfinite:
                 continue
             rms = _rms(state)
-            first, since = self._first_rms.setdefault(name, (rms, snap.step))
-            base = statistics.median(earlier) if len(earlier) >= 2 else 0.0
-            depth = rms / base if base > 0 else 0.0
-            time = rms / first if first > 0 else 0.0
+            if settling:
+                self._reference.setdefault(name, (rms, snap.step))
+            first, since = self._reference.get(name, (0.0, snap.step))
+            depth = rms / top if top > 0 else 0.0
+            time = rms / first if first > 0 and not learning else 0.0
             if depth >= limit or time >= limit:
                 how = (
-                    f"{depth:.0f} times the median of the layers before it"
+                    f"{depth:.0f} times that of every layer before it"
                     if depth >= time
-                    else f"{time:.0f} times what it was at step {since}"
+                    else f"{time:.0f} times what it was at step {since}, while the loss did not fall"
                 )
                 said = (
                     f"the output of `{label(name)}` has an RMS of {rms:.3g}, {how}: the next overflow is on its "
                     f"way; try normalization layers, a smaller initialisation or a lower learning rate."
                 )
                 found.append(Evidence("activation_growth", (label(name),), max(depth, time), limit, said))
-            if rms > 0:
-                earlier.append(rms)
+            top = max(top, rms)
         return found
 
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:

@@ -90,7 +90,10 @@ class UnitRecorder:
     floating-point output is one vector under ``("units", <layer>[.out.<path>])``: a sum per unit (keys
     in :attr:`per_unit`) for modules without parameters and outputs of at least two dimensions, else
     ``[sum of squares]``; pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes.
-    ``samples`` counts how many values each unit of a key saw in this process since :meth:`start`.
+    ``samples`` counts how many values each unit of a key saw in this process since :meth:`start`;
+    ``order`` lists the modules in the order they first ran. A sigmoid, tanh or softmax module also
+    counts its saturated outputs (within 0.1 % of their bounds; a softmax's rows by their largest
+    value) under ``("sat", <layer>)``, out of ``saturable[<layer>]`` outputs.
 
     Example::
 
@@ -111,9 +114,11 @@ class UnitRecorder:
         self.samples: dict[tuple[str, str], int] = {}
         self.per_unit: set[tuple[str, str]] = set()
         """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
+        self.order: dict[str, None] = {}
+        self.saturable: dict[str, int] = {}
 
     def start(self) -> None:
-        self.samples = {}
+        self.samples, self.order, self.saturable = {}, {}, {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = []
@@ -138,6 +143,9 @@ class _UnitHook:
         recorder.fired.add(self.name)
         if not recorder.batch.open:
             return
+        recorder.order[self.name] = None
+        if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
+            _count_saturated(recorder, self.name, module, output.detach())
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -152,6 +160,19 @@ class _UnitHook:
             else:
                 recorder.batch.add_vector(key, squares.sum())
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
+
+
+_SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)
+
+
+def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, y: torch.Tensor) -> None:
+    if isinstance(module, nn.Softmax):
+        dim = module.dim if module.dim is not None else -1
+        gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
+    else:
+        gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
+    recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
+    recorder.saturable[name] = recorder.saturable.get(name, 0) + n
 
 
 _CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

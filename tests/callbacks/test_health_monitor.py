@@ -50,11 +50,12 @@ def test_dead_units_are_named_in_the_relu_with_one_finding_warned_once_and_logge
     assert dead.threshold == 0.25
     assert "LeakyReLU" in dead.message
     assert sum("dead_units" in w for w in warned) == 1
-    assert scalars(tmp_path, "health/dead_units") == {s: 1.0 if s >= 10 else 0.0 for s in range(0, 31, 5)}
+    # every unit silent is conclusive: reported at the first check, without waiting for a window of batches
+    assert scalars(tmp_path, "health/dead_units") == {s: 1.0 for s in range(0, 31, 5)}
     tables = texts(tmp_path, "health/findings")
     first = min(tables)
-    assert first == 10  # logged when the finding appeared (after `patience` checks), not at every check
-    assert "| dead_units | net.1 | 0 | 10 |" in tables[first]
+    assert first == 0  # logged when the finding appeared, not at every check
+    assert "| dead_units | net.1 | 0 | 0 |" in tables[first]
     assert "no problems" not in capsys.readouterr().out
 
 
@@ -156,7 +157,8 @@ def half_precision_relu() -> planted.Planted:
 
 
 def test_float16_outputs_are_counted_without_overflow(tmp_path: Path) -> None:
-    monitor, _ = fit(tmp_path, half_precision_relu, steps=11, checks=["dead_units", "nonfinite"])
+    # half the units silent: judged once a window holds 512 samples per unit (8 checks of 64)
+    monitor, _ = fit(tmp_path, half_precision_relu, steps=41, checks=["dead_units", "nonfinite"])
     assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.2",), 0.5)]
 
 
