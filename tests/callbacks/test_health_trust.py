@@ -1,0 +1,222 @@
+"""HealthMonitor on cases nobody planted for it: silent on healthy runs of real architectures, right about the
+classic bugs, naming the layer where the problem starts. Each case failed on the monitor before #31."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import HealthFinding, HealthMonitor
+from tests.support.helpers import make_trainer
+
+transformers = pytest.importorskip("transformers")
+
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Fit(pl.LightningModule):
+    """``net`` trained on ``(x, y)`` with ``loss(net, x, y)`` and SGD with momentum or AdamW."""
+
+    def __init__(
+        self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Loss, sgd: bool = False, lr: float = 1e-3
+    ) -> None:
+        super().__init__()
+        self.net, self.x, self.y, self.loss, self.sgd, self.lr = net, x, y, loss, sgd, lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self.net, *batch)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16 if self.sgd else 8, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int = 5) -> list[HealthFinding]:
+    monitor = HealthMonitor(log_every_n_steps=every)
+    trainer = make_trainer(tmp_path, [monitor], max_steps=steps, log_every_n_steps=every)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    return monitor.findings
+
+
+def seeded(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * scale
+
+
+def labelled(net: nn.Module, key: str) -> Loss:
+    return lambda model, x, y: model(**{key: x}, labels=y).loss
+
+
+def convnext() -> Fit:
+    config = transformers.ConvNextConfig(
+        num_channels=3, hidden_sizes=[16, 32], depths=[2, 2], num_stages=2, num_labels=4, image_size=32
+    )  # layer scale starts at 1e-6
+    net = transformers.ConvNextForImageClassification(config)
+    x = seeded(256, 3, 32, 32)
+    y = (x[:, 0].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
+    return Fit(net, x, y, labelled(net, "pixel_values"))
+
+
+def albert() -> Fit:
+    config = transformers.AlbertConfig(
+        vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=2, max_position_embeddings=32,
+    )  # fmt: skip
+    net = transformers.AlbertForSequenceClassification(config)
+    x = torch.randint(0, 64, (256, 16), generator=torch.Generator().manual_seed(0))
+    return Fit(net, x, (x[:, 0] < 32).long(), labelled(net, "input_ids"))
+
+
+def wav2vec2() -> Fit:
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        num_labels=2, classifier_proj_size=16, mask_time_prob=0.0,
+    )  # fmt: skip
+    net = transformers.Wav2Vec2ForSequenceClassification(config)
+    x = seeded(512, 400)
+    return Fit(net, x, (x[:, :200].std(1) > x[:, 200:].std(1)).long(), labelled(net, "input_values"))
+
+
+def lora() -> Fit:
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    net = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    x = torch.randint(0, 64, (256, 16), generator=torch.Generator().manual_seed(0))
+    return Fit(net, x, x, lambda model, x, y: model(input_ids=x, labels=y).loss)  # lora_B starts at zero
+
+
+def classification(net: nn.Module, width: int = 8, scale: float = 1.0, lr: float = 0.05) -> Fit:
+    x = seeded(2048, width)
+    y = (x @ seeded(width, 3).flip(0)).argmax(1)
+    return Fit(net, x * scale, y, lambda model, x, y: F.cross_entropy(model(x), y), sgd=True, lr=lr)
+
+
+def mlp(*layers: nn.Module) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), *layers)
+
+
+@pytest.mark.parametrize("build", [convnext, albert, wav2vec2], ids=["convnext", "albert", "wav2vec2"])
+def test_healthy_transformers_models_under_adamw_make_no_finding(tmp_path: Path, build: Callable[[], Fit]) -> None:
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, build(), steps=60) == []
+
+
+def test_lora_adapters_that_start_at_zero_are_not_told_to_lower_the_learning_rate(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, lora(), steps=20, every=1) == []
+
+
+def test_a_small_relu_mlp_on_batches_of_eight_has_no_dead_units(tmp_path: Path) -> None:
+    pl.seed_everything(1, verbose=False)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 8, generator=generator)
+    y = (x @ torch.randn(8, 3, generator=generator)).argmax(1)
+    net = mlp(nn.ReLU(), nn.Linear(16, 3))  # every unit fires on some of the 2,048 samples
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.1)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)  # type: ignore[method-assign]
+    assert fit(tmp_path, model, steps=60) == []
+
+
+def test_an_sgd_regression_whose_output_grows_to_the_targets_scale_is_learning(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 8, generator=generator)
+    y = x @ (torch.randn(8, 1, generator=generator) * 3) + 5
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    with torch.no_grad():
+        net[2].weight.mul_(1e-3)  # the output starts near zero
+        net[2].bias.zero_()
+    model = Fit(net, x, y, lambda m, x, y: F.mse_loss(m(x), y), sgd=True, lr=0.01)
+    assert fit(tmp_path, model, steps=60) == []
+
+
+def test_a_softmax_over_one_unit_is_no_learning_at_step_0_named_at_the_output(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    net = mlp(nn.ReLU(), nn.Linear(16, 1), nn.Softmax(dim=1))
+    model = Fit(net, seeded(512, 8), seeded(512, 1), lambda m, x, y: F.mse_loss(m(x), y), sgd=True)
+    [finding] = fit(tmp_path, model, steps=11)
+    assert (finding.check, finding.layers, finding.step) == ("no_learning", ("net.5",), 0)
+    assert "a softmax over a single output" in finding.message
+
+
+def test_a_nan_made_by_the_loss_alone_names_the_output_layer(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    model.loss = lambda m, x, y: torch.log(m(x)).mean()  # the log of negative outputs
+    nonfinite = [f for f in fit(tmp_path, model, steps=6) if f.check == "nonfinite"]
+    assert nonfinite[0].layers == ("net.4",)
+    assert nonfinite[0].step == 0
+
+
+def test_a_deep_sigmoid_stack_is_named_in_its_first_layer_with_no_exploding_gradient_at_its_end(
+    tmp_path: Path,
+) -> None:
+    pl.seed_everything(0, verbose=False)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.Sigmoid()]
+    for _ in range(5):
+        layers += [nn.Linear(32, 32), nn.Sigmoid()]
+    findings = fit(tmp_path, classification(nn.Sequential(*layers, nn.Linear(32, 3)), lr=0.1), steps=31)
+    assert findings[0].layers == ("net.0",)  # its weights barely learn: the gradient vanished on the way
+    assert "vanishing gradient" in findings[0].message
+    # the last layer's gradient is large only next to the vanished ones: not an exploding gradient
+    assert not [f for f in findings if f.check == "exploding_gradients"]
+
+
+@pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])
+def test_unstandardised_inputs_or_targets_are_named_at_step_0(
+    tmp_path: Path, x_scale: float, y_scale: float, layer: str
+) -> None:
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = seeded(512, 8)
+    y = (x @ seeded(8, 1)) * y_scale
+    model = Fit(net, x * x_scale, y, lambda m, x, y: F.mse_loss(m(x), y), sgd=True, lr=1e-9)
+    scale = [f for f in fit(tmp_path, model, steps=6) if f.check == "input_scale"]
+    assert [(f.layers, f.step) for f in scale] == [((layer,), 0)]
+    assert "standardise" in scale[0].message
+
+
+def test_sigmoid_units_driven_into_saturation_are_named(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[0].weight.mul_(100.0)
+    saturated = [f for f in fit(tmp_path, classification(net), steps=16) if f.check == "saturation"]
+    assert [f.layers for f in saturated] == [("net.1",)]
+    assert "logits" in saturated[0].message
+
+
+class Amplified(Fit):
+    """Its output's gradient multiplied by 1.13 more at each step (a scaling gone wrong): the gradient norm grows
+    x1,500 over 60 steps, steadily, and never overflows; Adam keeps learning as if nothing happened."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        factor = 1.13**self.global_step
+        out.register_hook(lambda grad: grad * factor)
+        return F.cross_entropy(out, y)
+
+
+def test_a_gradient_norm_climbing_steadily_without_overflow_is_exploding(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    x = seeded(2048, 8)
+    model = Amplified(mlp(nn.ReLU(), nn.Linear(16, 3)), x, (x @ seeded(8, 3)).argmax(1), F.cross_entropy)
+    findings = fit(tmp_path, model, steps=61, every=10)
+    assert [f.check for f in findings] == ["exploding_gradients"]
+    assert findings[0].value >= 100
