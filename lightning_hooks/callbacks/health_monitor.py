@@ -44,24 +44,27 @@ class HealthMonitor(StatsCallback):
     ranks, and runs its checks (every rank computes them, rank zero writes):
 
     * ``dead_units``: a layer with at least ``dead_fraction`` of its output units exactly zero for
-      every sample of the batch.
-    * ``vanishing_gradients`` / ``exploding_gradients``: a layer's mean ``|gradient|`` per element
-      ``gradient_spread`` times below / above the median layer's; or the total gradient norm rising
-      at each of ``patience`` logging steps and ``norm_growth``-fold over them.
+      every sample of a window of checks (at once when every unit is).
+    * ``vanishing_gradients`` / ``exploding_gradients``: a layer that learns ``gradient_spread`` times
+      less / more than its peers, judged by its update ratio (and, under SGD, its mean ``|gradient|``);
+      or the total gradient norm rising steadily ``norm_growth``-fold.
     * ``update_ratio``: a layer's ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``
-      (step 0 and zero-initialised layers are not judged).
-    * ``activation_growth``: a layer's output RMS ``activation_growth`` times that of the layers
-      before it, or of its own first logging step.
-    * ``nonfinite``: NaN/Inf in a layer's output (the first in model order), else in a parameter
-      gradient, or in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
+      (not on step 0, nor for weights that start at zero by design).
+    * ``activation_growth``: a layer's output RMS ``activation_growth`` times that of every layer that
+      ran before it, or of its own once the run settled while the loss did not fall.
+    * ``nonfinite``: NaN/Inf in a layer's output (the first to run), else in a parameter gradient, or
+      in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
     * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
       the median of the previous 100 steps, naming the layers whose gradient norm jumped most.
+    * ``saturation``, ``input_scale``, ``no_learning``: saturated sigmoid/tanh/softmax outputs, batch
+      tensors far from unit scale, every gradient exactly zero.
 
-    The first four need ``patience`` consecutive logging steps; a finding that keeps holding has its
-    ``last_step`` advanced. Each new finding is warned once; the table of findings is logged as text
-    ``health/findings`` when a new one appears, the scalars ``health/<check>`` (how many layers are
-    affected) at every logging step, and a summary is printed when the fit ends; :attr:`findings` holds
-    them. Without a logger it still checks, warns, prints and keeps findings.
+    Noisy checks need ``patience`` consecutive logging steps; conclusive evidence is reported at once.
+    A finding that keeps holding has its ``last_step`` advanced. Each new finding is warned once; the
+    table of findings is logged as text ``health/findings`` when a new one appears, the scalars
+    ``health/<check>`` (how many layers are affected) at every logging step, and a summary is printed
+    when the fit ends; :attr:`findings` holds them. Without a logger it still checks, warns, prints and
+    keeps findings.
 
     Args:
         log_every_n_steps: Checking period in optimizer steps; ``None`` uses the Trainer's.
@@ -71,13 +74,13 @@ class HealthMonitor(StatsCallback):
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
         dead_fraction: Share of a layer's units that must be dead (0.25).
-        gradient_spread: How many times below or above the median layer's mean ``|gradient|`` a
-            layer's must be (1e3: three orders of magnitude).
-        norm_growth: How many times the total gradient norm must grow over ``patience`` logging steps (100).
+        gradient_spread: How many times less or more than its peers a layer must learn (1e3: three
+            orders of magnitude).
+        norm_growth: How many times the total gradient norm must grow over a steady rise (100).
         update_ratio_low: The lowest healthy ``||Δw|| / ||w||`` per step (1e-6).
         update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.1).
         activation_growth: How many times a layer's output RMS may exceed that of the layers before
-            it, or its own at the first logging step (1e3).
+            it, or its own once the run settled (1e3).
         spike_threshold: How many robust deviations above the rolling median a loss spike is (20).
         patience: Consecutive logging steps a persistent problem must hold before it is reported (3).
 

@@ -144,7 +144,7 @@ class _UnitHook:
         if not recorder.batch.open:
             return
         recorder.order[self.name] = None
-        if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
+        if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor) and output.shape[-1:] != (1,):
             _count_saturated(recorder, self.name, module, output.detach())
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
