@@ -235,8 +235,8 @@ class HealthTracker:
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
-        """The total gradient norm rising at each of ``patience`` logging steps in a row and ``norm_growth``-fold
-        over them, or rising over consecutive steps until it overflowed.
+        """The total gradient norm rising at ``patience`` or more logging steps in a row and ``norm_growth``-fold
+        since the rise began, or rising over consecutive steps until it overflowed.
 
         A logging step's level is each layer's median norm over the steps since the previous one.
         """
