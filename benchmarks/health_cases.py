@@ -8,7 +8,7 @@ runs the cases and scores the detectors against it.
 Healthy runs build Hugging Face ``transformers`` models from small configs with random weights (decoder
 LMs, a mixture of experts, encoders, encoder-decoders, vision and audio models), LoRA adapters from
 ``peft``, the examples' models, and small CNNs and MLPs, crossed with SGD with momentum, Adam and AdamW,
-with and without a linear warm-up, in fp32 and ``bf16-mixed``. The language models learn a copy task,
+with and without a linear warm-up, in fp32 and ``bf16-mixed``. The language models learn to count by a stride,
 the classifiers a synthetic or scikit-learn task, so their loss falls.
 
 Buggy programs are ports of the classic ones (missing normalisation, saturating or dying activations,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -209,7 +209,7 @@ class Net(CorpusModule):
 
 class CausalLM(CorpusModule):
     """A Hugging Face causal LM (or a ``peft`` model around one) on ``(input_ids, labels)``; the accuracy is
-    that of the next-token predictions where ``labels`` is not -100."""
+    that of its next-token predictions."""
 
     def __init__(self, model: nn.Module, optim: Optim) -> None:
         super().__init__(optim)
@@ -273,26 +273,37 @@ class Tensors(pl.LightningDataModule):
         return DataLoader(TensorDataset(*self.tensors), batch_size=self.batch_size, shuffle=self.shuffle)
 
 
-def copy_task(n: int = 1024, half: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """``half`` random tokens, a separator, the same tokens again; the loss counts the copy only."""
-    content = torch.randint(3, VOCAB, (n, half))
-    ids = torch.cat([content, torch.full((n, 1), 2), content], dim=1)
-    labels = ids.clone()
-    labels[:, : half + 1] = -100
-    return ids, labels
+CONTENT = VOCAB - 3
+"""Content tokens are 3 .. VOCAB - 1."""
 
 
-def token_classes(n: int = 1024, length: int = 16, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """A begin token then random tokens; the class is the first of them modulo ``classes``."""
-    ids = torch.randint(3, VOCAB, (n, length))
-    ids[:, 0] = 1
-    return ids, ids[:, 1] % classes
+def counting(start: torch.Tensor, stride: torch.Tensor, length: int) -> torch.Tensor:
+    """Content tokens counting from ``start`` by ``stride`` (both ``(N, 1)``), wrapping around."""
+    return 3 + (start + stride * torch.arange(length)) % CONTENT
 
 
-def sequence_copy(n: int = 1024, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoder-decoder copy: the target is the source."""
-    ids = torch.randint(3, VOCAB, (n, length))
+def counting_tokens(n: int = 1024, length: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal LM data: each sequence counts from a random token by a random stride of 1, 2 or 3; the labels are
+    the tokens (the model shifts them)."""
+    ids = counting(torch.randint(0, CONTENT, (n, 1)), torch.randint(1, 4, (n, 1)), length)
     return ids, ids.clone()
+
+
+def token_groups(n: int = 1024, length: int = 16, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A begin token, then tokens of which about 60 % come from the class' quarter of the vocabulary."""
+    label = torch.randint(0, classes, (n,))
+    size = CONTENT // classes
+    own = 3 + label[:, None] * size + torch.randint(0, size, (n, length))
+    ids = torch.where(torch.rand(n, length) < 0.6, own, torch.randint(3, VOCAB, (n, length)))
+    ids[:, 0] = 1
+    return ids, label
+
+
+def counting_targets(n: int = 1024, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoder-decoder data: random source tokens; the target counts from the source's first token by a stride
+    the second one sets."""
+    source = torch.randint(3, VOCAB, (n, length))
+    return source, counting(source[:, :1] - 3, 1 + source[:, 1:2] % 3, length)
 
 
 def digits(flat: bool = False, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,13 +407,13 @@ def decoder(family: str) -> nn.Module:
 
 
 def lm(family: str, optim: Optim, lora: bool = False) -> Built:
-    """A decoder LM on the copy task; with ``lora``, its weights frozen and LoRA adapters on every linear layer."""
+    """A decoder LM on counting sequences; with ``lora``, its weights frozen and LoRA adapters on every linear layer."""
     model = decoder(family)
     if lora:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    return CausalLM(model, optim), Tensors(*copy_task(), batch_size=16)
+    return CausalLM(model, optim), Tensors(*counting_tokens(), batch_size=16)
 
 
 def encoder(family: str, optim: Optim) -> Built:
@@ -427,11 +438,11 @@ def encoder(family: str, optim: Optim) -> Built:
         "albert": t.AlbertForSequenceClassification,
         "roberta": t.RobertaForSequenceClassification,
     }[family]
-    return HFModel(model_class(config), optim, "input_ids"), Tensors(*token_classes(), batch_size=32)
+    return HFModel(model_class(config), optim, "input_ids"), Tensors(*token_groups(), batch_size=32)
 
 
 def seq2seq(family: str, optim: Optim) -> Built:
-    """A two-layer encoder-decoder learning to copy its source."""
+    """A two-layer encoder-decoder on :func:`counting_targets`."""
     t = _transformers()
     if family == "t5":
         config = t.T5Config(
@@ -464,7 +475,7 @@ def seq2seq(family: str, optim: Optim) -> Built:
             forced_eos_token_id=2,
         )
         model = t.BartForConditionalGeneration(config)
-    return HFModel(model, optim, "input_ids"), Tensors(*sequence_copy(), batch_size=16)
+    return HFModel(model, optim, "input_ids"), Tensors(*counting_targets(), batch_size=16)
 
 
 def vision_model(family: str) -> nn.Module:
@@ -632,10 +643,10 @@ def classes_net(net: nn.Sequential, optim: Optim, **kwargs: Any) -> Built:
 
 def dead_relu(bias: float) -> Built:
     """A ReLU after a linear layer whose bias starts at ``bias`` (-10: every unit is dead from the start)."""
-    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    first = nn.Linear(16, 64)
     with torch.no_grad():
-        net[0].bias.fill_(bias)
-    return classes_net(net, Optim("sgd", 0.05, momentum=0.9))
+        first.bias.fill_(bias)
+    return classes_net(nn.Sequential(first, nn.ReLU(), nn.Linear(64, 4)), Optim("sgd", 0.05, momentum=0.9))
 
 
 def deep_sigmoid(fixed: bool) -> Built:
@@ -689,26 +700,27 @@ def loss_from_item(fixed: bool) -> Built:
 
 def saturated_tanh(weight_scale: float) -> Built:
     """A tanh after a linear layer whose weights start ``weight_scale`` times PyTorch's default."""
-    net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    first = nn.Linear(16, 64)
     with torch.no_grad():
-        net[0].weight.mul_(weight_scale)
-    return classes_net(net, Optim("sgd", 0.05, momentum=0.9))
+        first.weight.mul_(weight_scale)
+    return classes_net(nn.Sequential(first, nn.Tanh(), nn.Linear(64, 4)), Optim("sgd", 0.05, momentum=0.9))
 
 
 def double_softmax(fixed: bool) -> Built:
     """A softmax layer at the end of a digits MLP whose output goes to ``cross_entropy`` (a softmax again)."""
     x, y = digits(flat=True)
     layers: list[nn.Module] = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
-    return Net(nn.Sequential(*layers, *([] if fixed else [nn.Softmax(dim=1)])), Optim("adam", 1e-3)), Tensors(
-        x / 16, y, batch_size=32
-    )
+    net = nn.Sequential(*layers, *([] if fixed else [nn.Softmax(dim=1)]))
+    return Net(net, Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
 
 
 def hot_layer(scale: float) -> Built:
     """The middle layer's weights multiplied by ``scale`` at the start."""
     net = mlp(16, 4)
+    middle = net[2]
+    assert isinstance(middle, nn.Linear)
     with torch.no_grad():
-        net[2].weight.mul_(scale)
+        middle.weight.mul_(scale)
     return classes_net(net, Optim("adam", 1e-3))
 
 
@@ -745,6 +757,7 @@ class Program:
 
 
 NAN_STEP, SPIKE_STEP = 30, 50
+HEALTHY_STEPS = 100
 
 
 def programs() -> list[Program]:
@@ -840,21 +853,9 @@ def buggy(seeds: int = 2) -> list[Case]:
     cases = []
     for p in programs():
         for seed in range(seeds):
-            fixed = f"fixed: {p.name} #{seed}"
-            common = {"family": p.family, "steps": p.steps, "optimizer": p.optimizer, "seed": seed}
-            cases.append(
-                Case(
-                    f"{p.name} #{seed}",
-                    build=p.bug,
-                    symptom=p.symptom,
-                    layer=p.layer,
-                    measurable_step=p.measurable_step,
-                    twin=fixed,
-                    also=p.also,
-                    **common,
-                )
-            )
-            cases.append(Case(fixed, build=p.fix, **common))
+            fix = Case(f"fixed: {p.name} #{seed}", p.family, p.fix, p.steps, p.optimizer, seed=seed)
+            bug = replace(fix, name=f"{p.name} #{seed}", build=p.bug, symptom=p.symptom, layer=p.layer, twin=fix.name)
+            cases += [replace(bug, measurable_step=p.measurable_step, also=p.also), fix]
     return cases
 
 
@@ -904,7 +905,7 @@ def healthy() -> list[Case]:
             f"{family}, {optim}, {said[precision]}",
             family,
             partial(make, optim),
-            60,
+            HEALTHY_STEPS,
             str(optim),
             precision,
         )
@@ -915,7 +916,7 @@ def healthy() -> list[Case]:
             f"{family} (examples/), {optim}, fp32",
             family,
             partial(examples_model, family),
-            60,
+            HEALTHY_STEPS,
             f"{optim} (the example's)",
         )
         for family, optim in examples
