@@ -214,6 +214,10 @@ class ReferenceDetector(pl.Callback):
     """
 
     def __init__(self, every: int = 1, targets: Targets | None = None) -> None:
+        if every < 1:
+            raise ValueError(
+                f"`{type(self).__name__}` got `every={every!r}`; `every` must be a positive number of steps."
+            )
         self.every, self.targets = every, targets
         self.findings: list[ReferenceFinding] = []
         self.done = False

@@ -137,6 +137,11 @@ def test_deepdiagnosis_out_of_range(
     assert out_of_range(last, targets, DeepDiagnosis.WIDER) is expected
 
 
+def test_a_check_period_below_one_step_is_refused() -> None:
+    with pytest.raises(ValueError, match="`DeepDiagnosis` got `every=0`; `every` must be a positive number of steps"):
+        DeepDiagnosis(every=0)
+
+
 def test_the_reference_detectors_do_not_import_lightning_hooks() -> None:
     code = (
         "import sys; import benchmarks.reference_detectors; "
