@@ -45,6 +45,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.health_cases import SYMPTOMS, Case, CorpusModule, corpus, quick  # noqa: E402
+from benchmarks.planted import (  # noqa: E402, F401 - the callback tests fit them as `benchmarks.health.<name>`
+    Planted,
+    dead_relu,
+    deep_linear,
+    fast_layer,
+    hot_layer,
+    mlp,
+    planted_model,
+    sigmoid_mlp,
+)
 from benchmarks.reference_detectors import AutoTrainer, DeepDiagnosis  # noqa: E402
 from lightning_hooks import HealthMonitor  # noqa: E402
 
