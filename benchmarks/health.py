@@ -1,276 +1,287 @@
-"""HealthMonitor's calibration: planted pathologies it must find in the right layer, healthy runs it must leave alone.
+"""HealthMonitor measured on a corpus, beside two published rule sets: does it find what is wrong, in the
+right layer, soon, and leave healthy runs alone?
 
-    .venv/bin/python benchmarks/health.py            # every case, about 3 minutes on 2 CPU cores
-    .venv/bin/python benchmarks/health.py --quick    # fewer steps on the healthy runs (a smoke run)
+    .venv/bin/python benchmarks/health.py                 # the whole corpus (benchmarks/health_cases.py)
+    .venv/bin/python benchmarks/health.py --quick         # four cases: a smoke run
+    .venv/bin/python benchmarks/health.py --only "ReLU behind a bias of -10" --seeds 3
 
-Planted (each a small model on synthetic data, ``HealthMonitor(log_every_n_steps=10)`` with its defaults):
+Every case is one fit with ``HealthMonitor(log_every_n_steps=EVERY)`` (its defaults otherwise) and the two
+reference detectors of ``benchmarks/reference_detectors.py`` in the same Trainer: DeepDiagnosis' rules checking
+at the same period, AutoTrainer's once an "epoch" of ``EPOCH = 10`` steps (its rules read per-epoch accuracy).
+``EVERY = 2``: a check that must hold on three logging steps in a row can then be reported four steps after
+the symptom appears, inside the five steps the targets allow.
 
-* ``dead ReLU``: a ReLU after a linear layer whose bias starts at -10 (every unit dead) → ``dead_units`` in that ReLU.
-* ``sigmoid x20``: a 20-layer sigmoid MLP under SGD → ``vanishing_gradients`` in its first layer.
-* ``deep linear, gain 1.6``: 12 linear layers, orthogonal initialisation with gain 1.6, SGD on a regression
-  → ``exploding_gradients`` (the total norm grows without bound; every layer grows alike).
-* ``lr x100 in one layer``: SGD at 0.05, one layer's parameter group at 5.0 → ``update_ratio`` in that layer.
-* ``one layer's weights x1e4``: a linear layer's weights multiplied by 1e4 at the start → ``activation_growth``
-  in that layer.
-* ``digits CNN, Adam lr x100``: the digits example at ``lr=1.0`` → any finding (Adam's steps are bounded by
-  the learning rate, so as the weights blow up their update ratio falls: other checks see it).
-* ``x1e3 at one step``: at step 95 (a quiet step) one layer's output is multiplied by 1e3 → ``loss_spike``
-  naming that layer.
-* ``NaN injection``: from step 40 one layer's output holds a NaN → ``nonfinite`` naming that layer.
+For each detector and check, and over all checks:
 
-Healthy: every example model (digits CNN, NumNet, ResNet, transformer) with its own data and learning rate.
-A run is *detected* when the expected check made a finding whose worst layer is the planted one; a
-*false alarm* is any finding on a healthy run.
+* recall: the share of the buggy runs with that symptom where the detector reported that check (or one the
+  case accepts as well) at or after the step the symptom became measurable;
+* false alarms: the share of the healthy runs and fixed twins where it reported that check (overall: anything);
+* first layer: of the detections whose ground truth names a layer, the share whose first named layer is it;
+* steps to report: the median of the optimizer steps from ``measurable_step`` to the step at whose end the
+  finding was first there to read (for HealthMonitor, when it appeared in ``findings``).
+
+The corpus' ground truth was written before any detector ran on it; the tables are measurements, not targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import statistics
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.loggers import TensorBoardLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.digits import DigitsCNN, DigitsDataModule  # noqa: E402
-from examples.numnet import NumDataModule, NumNet  # noqa: E402
-from examples.resnet import DigitsResNet  # noqa: E402
-from examples.transformer import TinyTransformerLM, TokenDataModule  # noqa: E402
-from lightning_hooks import HealthFinding, HealthMonitor  # noqa: E402
+from benchmarks.health_cases import SYMPTOMS, Case, CorpusModule, corpus, quick  # noqa: E402
+from benchmarks.planted import (  # noqa: E402, F401 - the callback tests fit them as `benchmarks.health.<name>`
+    Planted,
+    dead_relu,
+    deep_linear,
+    fast_layer,
+    hot_layer,
+    mlp,
+    planted_model,
+    sigmoid_mlp,
+)
+from benchmarks.reference_detectors import AutoTrainer, DeepDiagnosis  # noqa: E402
+from lightning_hooks import HealthMonitor  # noqa: E402
 
-CHECKS = tuple(HealthMonitor().checks)
-"""Every check, in ``HealthMonitor``'s order (``checks=None`` runs all of them)."""
-
-EVERY = 10
-
-
-class Planted(pl.LightningModule):
-    """``net`` on synthetic data: 4-class classification of Gaussian inputs, or regression with ``regression``.
-
-    ``fast`` names a layer whose parameters get ``fast_factor`` times the learning rate; ``at_step``
-    maps steps to a function applied to ``tap``'s output from that step on (``once`` keeps it to that step).
-    """
-
-    def __init__(
-        self,
-        net: nn.Sequential,
-        optimizer: str = "sgd",
-        lr: float = 0.05,
-        regression: bool = False,
-        fast: str | None = None,
-        fast_factor: float = 100.0,
-        tap: str | None = None,
-        at_step: int | None = None,
-        once: bool = True,
-        effect: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__()
-        self.net, self.optimizer_name, self.lr, self.regression = net, optimizer, lr, regression
-        self.fast, self.fast_factor = fast, fast_factor
-        self.tap, self.at_step, self.once, self.effect = tap, at_step, once, effect
-        generator = torch.Generator().manual_seed(0)
-        width = net[0].in_features
-        self.x = torch.randn(4096, width, generator=generator)
-        teacher = torch.randn(width, 4, generator=generator)
-        self.y = self.x @ teacher if regression else (self.x @ teacher).argmax(1)
-        if tap is not None:
-            dict(self.net.named_modules())[tap].register_forward_hook(self._perturb)
-
-    def _perturb(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
-        step = self.trainer.global_step if self._trainer is not None else -1
-        due = self.at_step is not None and (step == self.at_step if self.once else step >= self.at_step)
-        if due and self.training and self.effect is not None:
-            return self.effect(output)
-        return None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        out = self(x)
-        return F.mse_loss(out, y) if self.regression else F.cross_entropy(out, y)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.x, self.y), batch_size=64, shuffle=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        fast = [p for n, p in self.named_parameters() if self.fast and n.startswith(f"net.{self.fast}.")]
-        slow = [p for p in self.parameters() if all(p is not q for q in fast)]
-        groups = [{"params": slow}] + ([{"params": fast, "lr": self.lr * self.fast_factor}] if fast else [])
-        cls = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
-        return cls(groups, lr=self.lr)
+EVERY = 2
+EPOCH = 10
+"""AutoTrainer's check period: its features are per-epoch means of the accuracy; 10 steps are 160-320 samples."""
+DETECTORS = ("HealthMonitor", "AutoTrainer", "DeepDiagnosis")
 
 
-def dead_relu() -> Planted:
-    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    with torch.no_grad():
-        net[0].bias.fill_(-10.0)
-    return Planted(net)
+@dataclass(frozen=True)
+class Report:
+    """A finding as the scoring sees it: its check, first named layer, and the step it was reported at."""
 
-
-def sigmoid_mlp() -> Planted:
-    layers: list[nn.Module] = [nn.Linear(16, 32), nn.Sigmoid()]
-    for _ in range(19):
-        layers += [nn.Linear(32, 32), nn.Sigmoid()]
-    return Planted(nn.Sequential(*layers, nn.Linear(32, 4)), lr=0.1)
-
-
-def deep_linear() -> Planted:
-    net = nn.Sequential(nn.Linear(16, 16, bias=False), *(nn.Linear(16, 16, bias=False) for _ in range(11)))
-    for layer in net:
-        nn.init.orthogonal_(layer.weight, gain=1.6)
-    return Planted(nn.Sequential(*net, nn.Linear(16, 4, bias=False)), lr=8e-5, regression=True)
-
-
-def hot_layer() -> Planted:
-    net = mlp()
-    with torch.no_grad():
-        net[2].weight.mul_(1e4)
-    return Planted(net, lr=1e-7)
-
-
-def mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def fast_layer() -> Planted:
-    return Planted(mlp(), lr=0.05, fast="2")
-
-
-def times_1e3(out: torch.Tensor) -> torch.Tensor:
-    return out * 1e3
-
-
-def poison(out: torch.Tensor) -> torch.Tensor:
-    out = out.clone()
-    out[0, 0] = float("nan")
-    return out
-
-
-def planted_model(kind: str, at_step: int, once: bool | None = None) -> Planted:
-    """The MLP with ``net.2``'s output multiplied by 1e3 (``"spike"``, at ``at_step`` only) or holding a NaN
-    (``"nan"``, from ``at_step`` on)."""
-    if kind == "spike":
-        return Planted(mlp(), tap="2", at_step=at_step, once=True if once is None else once, effect=times_1e3)
-    return Planted(mlp(), tap="2", at_step=at_step, once=False if once is None else once, effect=poison)
+    check: str
+    layer: str | None
+    reported: int
 
 
 @dataclass
-class Case:
-    name: str
-    build: Callable[[], tuple[pl.LightningModule, pl.LightningDataModule | None]]
-    steps: int
-    check: str | None = None
-    """The check that must find it (``None``: a healthy run, which must find nothing)."""
-    layer: str | None = None
-    """The layer it must name first (``None``: any)."""
+class Outcome:
+    """One case's fit: each detector's reports in the order they came, the loss at the start and the end."""
+
+    case: Case
+    reports: dict[str, list[Report]] = field(default_factory=dict)
+    loss: tuple[float, float] = (float("nan"), float("nan"))
+    seconds: float = 0.0
+    error: str | None = None
 
 
-def planted(steps: int) -> list[Case]:
-    return [
-        Case("dead ReLU", lambda: (dead_relu(), None), 60, "dead_units", "net.1"),
-        Case("sigmoid x20", lambda: (sigmoid_mlp(), None), 60, "vanishing_gradients", "net.0"),
-        Case("deep linear, gain 1.6", lambda: (deep_linear(), None), 100, "exploding_gradients"),
-        Case("lr x100 in one layer", lambda: (fast_layer(), None), 60, "update_ratio", "net.2"),
-        Case("digits CNN, Adam lr x100", lambda: (DigitsCNN(lr=1.0), DigitsDataModule()), 100, "any"),
-        Case("one layer's weights x1e4", lambda: (hot_layer(), None), 60, "activation_growth", "net.2"),
-        Case("x1e3 at one step", lambda: (planted_model("spike", 95), None), 110, "loss_spike", "net.2"),
-        Case("NaN injection", lambda: (planted_model("nan", 40), None), 60, "nonfinite", "net.2"),
-    ]
+class ReportClock(pl.Callback):
+    """Notes the optimizer step at whose end each of a ``HealthMonitor``'s findings first appeared (put it
+    after the monitor in ``callbacks``), and the losses of the run."""
+
+    def __init__(self, monitor: HealthMonitor) -> None:
+        self.monitor = monitor
+        self.reports: list[Report] = []
+        self.losses: list[float] = []
+        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self._step = 0
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss))
+        self._note(self._step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note(self._step)
+
+    def _note(self, step: int) -> None:
+        for finding in self.monitor.findings:
+            key = (finding.check, finding.layers)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.reports.append(Report(finding.check, finding.layers[0] if finding.layers else None, step))
 
 
-def healthy(steps: int) -> list[Case]:
-    return [
-        Case("digits CNN", lambda: (DigitsCNN(), DigitsDataModule()), steps),
-        Case("NumNet", lambda: (NumNet(), NumDataModule()), steps),
-        Case("ResNet", lambda: (DigitsResNet(), DigitsDataModule()), steps),
-        Case("transformer", lambda: (TinyTransformerLM(), TokenDataModule()), steps),
-    ]
+def run(case: Case) -> Outcome:
+    """Fit ``case`` with the three detectors; a failure is kept in the outcome, not raised."""
+    outcome = Outcome(case)
+    started = time.monotonic()
+    try:
+        pl.seed_everything(case.seed, verbose=False)
+        model, data = case.build()
+        targets = model.regression_targets if isinstance(model, CorpusModule) else None
+        monitor = HealthMonitor(log_every_n_steps=EVERY)
+        clock = ReportClock(monitor)
+        references = {
+            "AutoTrainer": AutoTrainer(every=EPOCH, targets=targets),
+            "DeepDiagnosis": DeepDiagnosis(every=EVERY, targets=targets),
+        }
+        trainer = pl.Trainer(
+            max_steps=case.steps,
+            precision=case.precision,  # type: ignore[arg-type]
+            callbacks=[monitor, clock, *references.values()],
+            logger=False,
+            log_every_n_steps=EVERY,
+            accelerator="cpu",
+            devices=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # the monitor's summary at the end of the fit
+            trainer.fit(model, datamodule=data)
+        outcome.reports["HealthMonitor"] = clock.reports
+        for name, detector in references.items():
+            outcome.reports[name] = [Report(f.check, f.layer, f.step) for f in detector.findings]
+        head, tail = clock.losses[:5], clock.losses[-5:]
+        outcome.loss = (statistics.fmean(head), statistics.fmean(tail)) if head else outcome.loss
+    except Exception as error:  # noqa: BLE001 - one broken case must not end the measurement
+        outcome.error = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    outcome.seconds = time.monotonic() - started
+    return outcome
 
 
-def run(case: Case, root: str) -> list[HealthFinding]:
-    pl.seed_everything(0, verbose=False)
-    model, data = case.build()
-    monitor = HealthMonitor(log_every_n_steps=EVERY)
-    trainer = pl.Trainer(
-        max_steps=case.steps,
-        callbacks=[monitor],
-        logger=TensorBoardLogger(root, name=case.name.replace(" ", "_")),
-        log_every_n_steps=EVERY,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model, datamodule=data)
-    return monitor.findings
+def detection(case: Case, reports: Sequence[Report]) -> Report | None:
+    """The first report of the case's symptom (or of one it accepts as well) made once it was measurable."""
+    wanted = {case.symptom, *case.also}
+    step = case.measurable_step or 0
+    return next((r for r in reports if r.check in wanted and r.reported >= step), None)
 
 
-def detected(case: Case, findings: list[HealthFinding]) -> bool:
-    mine = [f for f in findings if f.check == case.check or case.check == "any"]
-    if not mine:
-        return False
+def share(hits: int, total: int) -> str:
+    return f"{hits / total:.2f} ({hits}/{total})" if total else "-"
+
+
+def summary(outcomes: Sequence[Outcome], detector: str, check: str | None) -> list[str]:
+    """Recall, false alarms, first layer right and median steps of ``detector`` for ``check`` (``None``: all)."""
+    done = [o for o in outcomes if o.error is None]
+    buggy = [o for o in done if o.case.symptom is not None and check in (None, o.case.symptom)]
+    clean = [o for o in done if o.case.symptom is None]
+    found = [(o.case, r) for o in buggy if (r := detection(o.case, o.reports[detector])) is not None]
+    alarms = sum(any(check in (None, r.check) for r in o.reports[detector]) for o in clean)
+    placed = [(case, r) for case, r in found if case.layer is not None]
+    right = sum(r.layer == case.layer for case, r in placed)
+    delays = [r.reported - (case.measurable_step or 0) for case, r in found]
+    median = f"{statistics.median(delays):g}" if delays else "-"
+    return [share(len(found), len(buggy)), share(alarms, len(clean)), share(right, len(placed)), median]
+
+
+def said(reports: Sequence[Report], shown: int = 2) -> str:
+    """The first ``shown`` reports as ``check layer @step``, and how many more."""
+    parts = [f"{r.check} `{r.layer}` @{r.reported}" if r.layer else f"{r.check} @{r.reported}" for r in reports[:shown]]
+    more = [f"+{len(reports) - shown} more"] if len(reports) > shown else []
+    return "; ".join(parts + more) or "none"
+
+
+def verdict(outcome: Outcome, detector: str) -> str:
+    reports = outcome.reports[detector]
+    case = outcome.case
+    if case.symptom is None:
+        return "ok" if not reports else f"ALARM: {said(reports)}"
+    hit = detection(case, reports)
+    if hit is None:
+        return f"missed ({said(reports)})"
     if case.layer is None:
-        return True
-    worst = min(mine, key=lambda f: f.value) if case.check == "vanishing_gradients" else mine[0]
-    return worst.layers[0] == case.layer
+        where = ""
+    elif hit.layer == case.layer:
+        where = " right layer"
+    else:
+        where = f" in `{hit.layer}`" if hit.layer else " no layer named"
+    return f"found +{hit.reported - (case.measurable_step or 0)}{where}"
 
 
-def describe(findings: list[HealthFinding], shown: int = 4) -> str:
-    """The first ``shown`` findings as ``check layers @step``, and how many more."""
-    said = [f"{f.check} {', '.join(f.layers)} @{f.step}" for f in findings[:shown]]
-    more = f" (+{len(findings) - shown} more: {', '.join(sorted({f.check for f in findings[shown:]}))})"
-    return "; ".join(said) + (more if len(findings) > shown else "") or "none"
+def print_runs(outcomes: Sequence[Outcome]) -> None:
+    print("| run | family | precision | expected | " + " | ".join(DETECTORS) + " | loss first → last | s |")
+    print("|---|---|---|---|" + "---|" * len(DETECTORS) + "---|---:|")
+    for o in outcomes:
+        case = o.case
+        expected = (
+            "nothing" if case.symptom is None else f"{case.symptom} `{case.layer}`" if case.layer else case.symptom
+        )
+        if case.symptom is not None:
+            expected += f" from {case.measurable_step}"
+        if o.error is not None:
+            cells = [f"ERROR {o.error}"] + [""] * (len(DETECTORS) - 1)
+        else:
+            cells = [verdict(o, d) for d in DETECTORS]
+        row = [case.name, case.family, case.precision, expected, *cells, f"{o.loss[0]:.3g} → {o.loss[1]:.3g}"]
+        print(f"| {' | '.join(row)} | {o.seconds:.1f} |")
+
+
+def print_summary(outcomes: Sequence[Outcome]) -> None:
+    print("| check | detector | recall | false alarms (healthy + fixed) | first layer right | median steps to report |")
+    print("|---|---|---:|---:|---:|---:|")
+    for check in (*SYMPTOMS, None):
+        for detector in DETECTORS:
+            row = ["**all**" if check is None else f"`{check}`", detector, *summary(outcomes, detector, check)]
+            print(f"| {' | '.join(row)} |")
+
+
+def describe(cases: Sequence[Case], seeds: int) -> str:
+    healthy = [c for c in cases if c.symptom is None and not c.name.startswith("fixed: ")]
+    buggy = [c for c in cases if c.symptom is not None]
+    programs = dict.fromkeys(c.program for c in buggy)
+    optimizers = sorted({c.optimizer.split(" ")[0] for c in healthy})
+    return (
+        f"{len(healthy)} healthy runs over {len({c.family for c in healthy})} architectures "
+        f"({', '.join(dict.fromkeys(c.family for c in healthy))}), optimizers {', '.join(optimizers)}, "
+        f"{sum(c.precision == 'bf16-mixed' for c in healthy)} of them in bf16-mixed; {len(programs)} buggy programs "
+        f"under {seeds} seed(s), {len(buggy)} buggy runs and as many fixed twins."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="steps of each healthy run")
-    parser.add_argument("--quick", action="store_true", help="healthy runs of 30 steps (a smoke run)")
-    parser.add_argument("--only", nargs="*", metavar="RUN", help="run only these runs (names as in the table)")
+    parser.add_argument("--quick", action="store_true", help="two healthy runs, one buggy program and its twin")
+    parser.add_argument("--only", nargs="*", metavar="RUN", help="these runs or programs only (names as in the table)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of each buggy program and its twin (default 2)")
     args = parser.parse_args()
-    steps = 30 if args.quick else args.steps
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    cases = [c for c in planted(steps) + healthy(steps) if not args.only or c.name in args.only]
-    results: list[tuple[Case, list[HealthFinding], float]] = []
-    with tempfile.TemporaryDirectory() as root:
-        for case in cases:
-            started = time.monotonic()
-            results.append((case, run(case, root), time.monotonic() - started))
-    print(f"HealthMonitor(log_every_n_steps={EVERY}) with its default thresholds, torch {torch.__version__}\n")
-    print("| run | steps | expected | detected in the right layer | findings (check, layers, first step) |")
-    print("|---|---:|---|---|---|")
-    for case, findings, _ in results:
-        expected = f"{case.check} in `{case.layer}`" if case.layer else (case.check or "nothing")
-        verdict = ("yes" if detected(case, findings) else "NO") if case.check else ("yes" if not findings else "NO")
-        print(f"| {case.name} | {case.steps} | {expected} | {verdict} | {describe(findings)} |")
-    print("\n| check | planted cases detected | false alarms on healthy runs |")
-    print("|---|---:|---:|")
-    for check in CHECKS:
-        mine = [(c, f) for c, f, _ in results if c.check == check]
-        hits = sum(detected(c, f) for c, f in mine)
-        alarms = sum(1 for c, f, _ in results if c.check is None for x in f if x.check == check)
-        print(f"| `{check}` | {hits} of {len(mine)} | {alarms} |")
+    cases = quick() if args.quick else corpus(args.seeds)
+    if args.only:
+        cases = [
+            c
+            for c in cases
+            if c.name in args.only or c.program in args.only or c.program.removeprefix("fixed: ") in args.only
+        ]
+    started = time.monotonic()
+    outcomes = []
+    for i, case in enumerate(cases, 1):
+        outcomes.append(run(case))
+        print(f"[{i}/{len(cases)}] {case.name}: {outcomes[-1].seconds:.1f} s", file=sys.stderr, flush=True)
+    import transformers
+
+    print(
+        f"HealthMonitor(log_every_n_steps={EVERY}) with its defaults; DeepDiagnosis every {EVERY} steps, AutoTrainer "
+        f"every {EPOCH}; torch {torch.__version__}, transformers {transformers.__version__}, one CPU thread.\n"
+    )
+    print(describe(cases, 1 if args.quick else args.seeds) + "\n")
+    print_runs(outcomes)
+    print()
+    print_summary(outcomes)
+    print(f"\n{len(outcomes)} runs in {time.monotonic() - started:.0f} s.")
 
 
 if __name__ == "__main__":

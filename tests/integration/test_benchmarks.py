@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from benchmarks import _callgrind
-from lightning_hooks import HealthMonitor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,14 +99,3 @@ def test_the_logging_step_prints_each_code_base_and_each_floor() -> None:
     assert "| code | quiet step, CPU / wall | logging step's extra, CPU (× quiet) / wall | other threads |" in out
     assert "digits-cnn (" in out
     assert "GradStats + ActivationStats every 2 steps, histograms off" in out
-
-
-def test_the_health_calibration_prints_each_run_and_each_check() -> None:
-    out = output_of([sys.executable, "benchmarks/health.py", "--quick", "--only", "dead ReLU", "NumNet"])
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")]
-    runs = {row[0]: row for row in rows if row[0] in ("| dead ReLU", "| NumNet")}
-    assert runs["| dead ReLU"][3:5] == ["yes", "dead_units net.1 @0; update_ratio net.0 @10 |"]
-    assert runs["| NumNet"][3:5] == ["yes", "none |"]
-    checks = [row for row in rows if row[0].startswith("| `")]
-    assert [row[0] for row in checks] == [f"| `{check}`" for check in HealthMonitor().checks]
-    assert checks[0][1:] == ["1 of 1", "0 |"]
