@@ -28,7 +28,8 @@ _STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "pr
 
 
 class Switch:
-    """One flag per compiled region, on while any of its voters records the step (dynamo guards on ``on``)."""
+    """A flag that is on while any of its voters asks for it: one per compiled region, on while some callback
+    records the step (dynamo guards on ``on``), and one for :func:`run_eager`."""
 
     def __init__(self) -> None:
         self.on = False
@@ -252,21 +253,18 @@ def _fresh(func: Any) -> types.FunctionType:
     return fresh
 
 
-_EAGER_VOTERS: set[int] = set()
+_EAGER = Switch()
 _EAGER_STANCE: list[Any] = []
-"""The ``set_stance`` object in force while some voter runs compiled code eagerly (at most one)."""
+"""The ``set_stance`` object in force while :data:`_EAGER` is on (at most one)."""
 
 
 def run_eager(voter: object, on: bool) -> None:
     """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``);
     the stance in force before the first vote comes back with the last."""
-    if on:
-        _EAGER_VOTERS.add(id(voter))
-    else:
-        _EAGER_VOTERS.discard(id(voter))
-    if _EAGER_VOTERS and not _EAGER_STANCE:
+    _EAGER.vote(voter, on)
+    if _EAGER.on and not _EAGER_STANCE:
         _EAGER_STANCE.append(torch.compiler.set_stance("force_eager"))
-    elif not _EAGER_VOTERS and _EAGER_STANCE:
+    elif not _EAGER.on and _EAGER_STANCE:
         _EAGER_STANCE.pop().__exit__(None, None, None)
 
 
