@@ -278,8 +278,9 @@ class NonFiniteGuard(HookCallback):
         takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
 
         def run(micro: MicroBatch) -> torch.Tensor | None:
-            args = (micro.batch, micro.batch_idx) if takes_batch_idx else (micro.batch,)
-            return _loss_of(training_step(*args))
+            output = training_step(micro.batch, micro.batch_idx) if takes_batch_idx else training_step(micro.batch)
+            loss = output.get("loss") if isinstance(output, Mapping) else output  # as Lightning reads it
+            return loss if isinstance(loss, torch.Tensor) else None
 
         with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context(), eager_stance():
             return replay(
@@ -411,13 +412,6 @@ def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         for p in group["params"]
         if (grad := p.grad) is not None and grad.layout == torch.strided
     ]
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in what ``training_step`` returned, as Lightning reads it."""
-    if isinstance(output, Mapping):
-        output = output.get("loss")
-    return output if isinstance(output, torch.Tensor) else None
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:
