@@ -216,15 +216,8 @@ class Regions:
         self, modules: Sequence[tuple[str, nn.Module]]
     ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, Region]]]:
         """``(eager, compiled)``: the modules outside any region, and those inside one with their region."""
-        eager: list[tuple[str, nn.Module]] = []
-        compiled: list[tuple[str, nn.Module, Region]] = []
-        for name, module in modules:
-            region = next((r for r in self.entered if module in r), None)
-            if region is None:
-                eager.append((name, module))
-            else:
-                compiled.append((name, module, region))
-        return eager, compiled
+        found = [(name, module, next((r for r in self.entered if module in r), None)) for name, module in modules]
+        return [(n, m) for n, m, r in found if r is None], [(n, m, r) for n, m, r in found if r is not None]
 
     def vote(self, voter: object, on: bool) -> None:
         for region in self.entered:
