@@ -1,8 +1,4 @@
-"""The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch).
-
-Every statistic is derived from one *state* per key: seven float64 numbers that combine by ``+``
-or, for the largest magnitude, by ``max``.
-"""
+"""The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch)."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
 
 
 class State(NamedTuple):
-    """The combinable statistics of one key, on the host. The last field combines by ``max``, the others by ``+``."""
+    """The combinable statistics of one key, on the host: the last field combines by ``max``, the others by ``+``."""
 
     numel: float = 0.0
     sum: float = 0.0
@@ -47,7 +43,6 @@ class State(NamedTuple):
 
 WIDTH = len(State._fields)
 _SUMMED = WIDTH - 1
-"""Fields ``[:_SUMMED]`` of a state combine by ``+``, the last by ``max``."""
 
 
 def reduce_rows(m: torch.Tensor) -> torch.Tensor:
@@ -80,7 +75,6 @@ def nonfinite_count(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """How many values of the floating-point ``t`` are NaN or Inf (along ``dim``, or in all), on its device.
 
     A value is finite exactly when its magnitude is at most the dtype's largest (NaN compares false).
-    Comparisons written into a float tensor and summed are several times faster than reductions of boolean masks.
 
     Example::
 
