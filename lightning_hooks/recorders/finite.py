@@ -1,10 +1,4 @@
-"""Finding the first module that made a NaN or an Inf, forward or backward (pure torch).
-
-A :class:`NonFiniteRecorder` hooks the modules it is given and reduces every floating-point tensor a
-call receives or returns (and, with ``check_backward``, its gradient) to its range and count of
-non-finite values on device; :meth:`NonFiniteRecorder.find` reads them all at once and names the
-first module that made non-finite values from finite ones.
-"""
+"""Finding the first module that made a NaN or an Inf, forward or backward (pure torch)."""
 
 from __future__ import annotations
 
@@ -45,10 +39,8 @@ class Readings:
         return len(self._items)
 
     def take(self, t: torch.Tensor) -> int | None:
-        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` if ``t`` is not measured.
-
-        Dense floating-point tensors with values are measured; anything else counts as finite.
-        """
+        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` (counted as finite) if ``t`` is not
+        a dense floating-point tensor with values."""
         if not (t.is_floating_point() and t.layout == torch.strided and t.numel()):
             return None
         x = t.detach()
@@ -102,8 +94,9 @@ def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int
 class NonFiniteRecorder:
     """Record, per module call and per gradient, whether the values were finite; find the first that was not.
 
-    Nothing is recorded while ``active`` is false. :meth:`find` reads everything recorded since
-    the last :meth:`clear`. The recorder keeps numbers and weak references only, never a tensor.
+    While ``active``, every floating-point tensor a hooked call receives or returns (and its gradient) is
+    reduced on device to its range and count of non-finite values; :meth:`find` reads everything recorded
+    since the last :meth:`clear` with one transfer. Numbers and weak references are kept, never a tensor.
 
     Args:
         check_backward: Also watch gradients with respect to module inputs and outputs.
