@@ -1,7 +1,4 @@
-"""Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters) seen shard by shard (pure torch).
-
-Statistics are pooled over processes, never gathered; a replicated shard counts only at mesh coordinate 0.
-"""
+"""Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters) seen shard by shard (pure torch)."""
 
 from __future__ import annotations
 
@@ -29,8 +26,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def counted_part(t: torch.Tensor) -> torch.Tensor:
-    """What this process adds to a statistic of ``t`` pooled over processes: its local shard, or an
-    empty tensor where another process holds the same replica (``t`` itself when not sharded)."""
+    """What this process adds to a statistic of ``t`` pooled over processes (never gathered): its local shard, or
+    an empty tensor off mesh coordinate 0 of a replicated dimension (``t`` itself when not sharded)."""
     if not is_sharded(t):
         return t
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
