@@ -126,7 +126,7 @@ class Sink:
     ) -> None:
         """Rows under named columns (one per module call, one per finding): a ``wandb.Table`` for W&B,
         markdown (after ``caption`` in bold) for TensorBoard, and in ``<tag>.md`` for MLflow and CSV."""
-        self._send(trainer, StepData(step, tables={tag: Table.of(columns, rows, caption)}))
+        self._send(trainer, StepData(step, tables={tag: Table(tuple(columns), tuple(map(tuple, rows)), caption)}))
 
     @rank_zero_only
     def flush(self, trainer: pl.Trainer) -> None:
