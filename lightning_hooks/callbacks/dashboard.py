@@ -6,7 +6,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -23,22 +23,11 @@ __all__ = ["Dashboard", "FIGURE_PERIOD_FACTOR"]
 
 Rows = Mapping[str, State]
 
-
-def _gradient_flow(rows: Rows, step: int) -> NDArray[np.uint8] | None:
-    layers, mean_abs, max_abs = _figures.gradient_flow_series(rows)
-    return _figures.render_gradient_flow(layers, mean_abs, max_abs, step) if layers else None
-
-
-def _zero_fraction(rows: Rows, step: int) -> NDArray[np.uint8] | None:
-    layers, values = _figures.zero_fraction_series(rows)
-    return _figures.render_zero_fraction(layers, values, step) if layers else None
-
-
-FIGURES: dict[str, tuple[str, Callable[[Rows, int], NDArray[np.uint8] | None]]] = {
-    "grad_": ("figures/gradient_flow", _gradient_flow),
-    "act_": ("figures/activation_zero_frac", _zero_fraction),
+FIGURES: dict[str, tuple[str, Callable[[Rows], tuple[list[Any], ...]], Callable[..., NDArray[np.uint8]]]] = {
+    "grad_": ("figures/gradient_flow", _figures.gradient_flow_series, _figures.render_gradient_flow),
+    "act_": ("figures/activation_zero_frac", _figures.zero_fraction_series, _figures.render_zero_fraction),
 }
-"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, draw)}``."""
+"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, series, render)}``."""
 
 FIGURE_PERIOD_FACTOR = 10
 """Without ``figure_every_n_steps``, figures are drawn every this many logging periods..."""
@@ -128,9 +117,10 @@ class Dashboard:
             return
         started = time.monotonic()
         for prefix, prefix_rows in rows.items():
-            tag, draw = FIGURES[prefix]
-            if (image := draw(prefix_rows, step)) is not None:
-                self.sink.image(trainer, tag, image, step)
+            tag, series, render = FIGURES[prefix]
+            layers, *values = series(prefix_rows)
+            if layers:
+                self.sink.image(trainer, tag, render(layers, *values, step), step)
             # A drawn figure is a web of reference cycles: collected now, the next figure reuses its memory.
             gc.collect()
         finished = time.monotonic()
