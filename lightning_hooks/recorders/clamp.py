@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -186,10 +187,7 @@ class _AtBackwardEnd:
         self.clamper, self.params = clamper, params
 
     def __call__(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.clamp)
-
-    def clamp(self) -> None:
-        self.clamper.clamp_grads(self.params)
+        torch.autograd.Variable._execution_engine.queue_callback(partial(self.clamper.clamp_grads, self.params))
 
 
 class _ClampHook:
