@@ -140,10 +140,6 @@ class HookCallback(Callback):
         """The logging period in optimizer steps."""
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
-    def is_logging_step(self, trainer: pl.Trainer) -> bool:
-        """Whether the training batch's optimizer step is a multiple of the period."""
-        return self.due_step(trainer) is not None
-
     def due_step(self, trainer: pl.Trainer) -> int | None:
         """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`.
 

@@ -229,7 +229,7 @@ class NonFiniteGuard(HookCallback):
             if len(self._recorder):
                 self._check(trainer, None, step)
             self._disarm()
-        if not self.gate.is_open and not self.is_logging_step(trainer):
+        if not self.gate.is_open and self.due_step(trainer) is None:
             self._step_handles.remove()
 
     def _sentinel(

@@ -110,7 +110,7 @@ class ShapeLogger(HookCallback):
         batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        due = bool(self._modules) and (not self._logged or changed or self.is_logging_step(trainer))
+        due = bool(self._modules) and (not self._logged or changed or self.due_step(trainer) is not None)
         if due and self.gate.begin(trainer.global_step, due=True):
             self._batch = signature(batch)
             self._recorder.clear()
