@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -39,8 +40,6 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:
     """Raise ``MisconfigurationException`` under FSDP1 (``FSDPStrategy``), whose flat parameters ``what`` cannot
     hook; the message suggests ``fix``."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
     if isinstance(strategy, FSDPStrategy):
         raise MisconfigurationException(
             f"{what} does not support `strategy=FSDPStrategy` (FSDP1): it flattens parameters into sharded flat "
@@ -52,8 +51,6 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
 
 def refuse_tensor_parallel(strategy: object, owner: str) -> None:
     """Raise ``MisconfigurationException`` under ``ModelParallelStrategy`` with tensor parallelism."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
     if isinstance(strategy, ModelParallelStrategy):
         size = strategy.device_mesh["tensor_parallel"].size()
         if size > 1:
