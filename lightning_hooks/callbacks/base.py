@@ -51,16 +51,14 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
 
 def refuse_tensor_parallel(strategy: object, owner: str) -> None:
     """Raise ``MisconfigurationException`` under ``ModelParallelStrategy`` with tensor parallelism."""
-    if isinstance(strategy, ModelParallelStrategy):
-        size = strategy.device_mesh["tensor_parallel"].size()
-        if size > 1:
-            raise MisconfigurationException(
-                f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
-                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
-                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
-                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
-                f"`fully_shard` in `configure_model`, or DDP."
-            )
+    if isinstance(strategy, ModelParallelStrategy) and (size := strategy.device_mesh["tensor_parallel"].size()) > 1:
+        raise MisconfigurationException(
+            f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
+            f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
+            f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
+            f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
+            f"`fully_shard` in `configure_model`, or DDP."
+        )
 
 
 _SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -125,11 +123,9 @@ class HookCallback(Callback):
         self._handles = HookHandles()
         self._step_handles = HookHandles()
         self._regions = Regions()
-        """The compiled regions this callback hooks into during a fit (see :mod:`lightning_hooks.core.compiled`)."""
         self._modules: list[tuple[str, nn.Module]] = []
         self._sink = Sink(owner)
         self.gate = StepGate()
-        """Which optimizer step the callback is recording, if any."""
         self.batch_step = -1
         """The optimizer step :meth:`due_step` last read (the current batch's while the gate is closed)."""
 
@@ -243,7 +239,6 @@ class StatsCallback(HookCallback):
         self._batch = StatBatch(self.bins)
         self._pending = Pending()
         self._eager_modules: list[tuple[str, nn.Module]] = []
-        """The selected modules outside compiled regions, hooked on logging steps only."""
         self._enabled = True
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
@@ -350,8 +345,7 @@ class StatsCallback(HookCallback):
         return Across(frozenset(groups), agree, reduce)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:
-        """Log ``{prefix}{stat}/{name}`` for the chosen stats of every key of ``group``, and hand the states to the
-        dashboard."""
+        """Log the chosen :func:`metrics` of ``group`` and hand its states to the dashboard."""
         self._sink.scalars(trainer, metrics(prefix, fetched, group, self.stats), step)
         self._dashboard.add_rows(prefix, {name: s for (g, name), s in fetched.states.items() if g == group}, step)
 
