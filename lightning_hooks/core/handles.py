@@ -40,10 +40,7 @@ class HookHandles:
     def add_forward_hooks(
         self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], always_call: bool = False
     ) -> None:
-        """Register each ``(module, hook)`` with ``module.register_forward_hook(hook, always_call=...)``.
-
-        Each hook is an :class:`Observer`: it does not run inside :func:`observers_asleep`.
-        """
+        """``module.register_forward_hook(hook, always_call=...)`` for each pair, the hook as an :class:`Observer`."""
         for module, hook in hooks:
             self.add(module.register_forward_hook(Observer(hook), always_call=always_call))
 
