@@ -114,20 +114,15 @@ class _Entry:
 
 
 class Region:
-    """One compiled part of a model and the switch of the hooks inside it.
-
-    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module whose
-    code is compiled; both held weakly. From the first :meth:`enter` to the last :meth:`leave` the
-    region is called through a fresh entry point.
-    """
+    """One compiled part of a model and the switch of the hooks inside it: ``owner`` is the ``OptimizedModule`` or
+    the compiled LightningModule, ``module`` the module whose code is compiled; both held weakly."""
 
     def __init__(self, owner: nn.Module, module: nn.Module) -> None:
         self._owner = weakref.ref(owner)
         self._module = weakref.ref(module)
         self.switch = Switch()
         self.users = 0
-        self.pendings: list[Pending] = []
-        """Where the hooks inside the region leave their states; settled after each call."""
+        self.pendings: list[Pending] = []  # see settles()
         self._saved: dict[str, Any] = {}
         self._members = {id(m) for m in module.modules()}
 
