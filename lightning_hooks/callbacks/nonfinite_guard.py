@@ -39,10 +39,8 @@ SKIPPED_TAG = "nonfinite/skipped_steps"
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised by ``NonFiniteGuard(action="raise")``; ``finding`` holds the report as data.
-
-    ``finding`` is ``None`` on a rank that found nothing itself when another rank did (DDP).
-    """
+    """Raised by ``NonFiniteGuard(action="raise")``; ``finding`` holds the report as data (``None`` on a rank that
+    found nothing itself when another rank did, under DDP)."""
 
     def __init__(self, message: str, finding: Finding | None) -> None:
         super().__init__(message)
