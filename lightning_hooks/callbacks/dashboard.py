@@ -39,19 +39,14 @@ FIGURE_TIME_SHARE = 0.01
 class Dashboard:
     """The custom-scalars layout and the figures of one statistics callback.
 
-    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at the
-    end of every training batch, which writes the layout when new tags appeared and, on multiples of
-    the figure period, draws the figures (rank zero, for loggers that show images). Without such a
-    logger it warns once if ``figure_every_n_steps`` was given; without matplotlib it warns once.
-
-    With the default period a figure is skipped while drawing would take over
-    :data:`FIGURE_TIME_SHARE` of the wall time; :meth:`finish` draws the last skipped one.
+    :meth:`publish`, called at the end of every training batch, writes the layout and, on multiples of the
+    figure period, draws the figures of the rows handed over with :meth:`add_rows` (rank zero, for loggers
+    that show images; without one it warns once if ``figure_every_n_steps`` was given).
     """
 
     def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
         self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
         self.figures = figures
-        """Whether figures are drawn at all (matplotlib is never imported otherwise)."""
         self._rows: dict[str, Rows] = {}
         self._step: int | None = None
         self._can_draw = True
