@@ -141,10 +141,8 @@ class Sink:
             self._send(trainer, StepData(step, histograms=hists))
 
     def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
-        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures.
-
-        Without one, warns once when ``warn`` (figures that were asked for, not merely on by default).
-        """
+        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures; without one,
+        warns once when ``warn`` (figures that were asked for, not merely on by default)."""
         if not trainer.is_global_zero:
             return False
         backends = self._backends(trainer)
