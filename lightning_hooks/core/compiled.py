@@ -149,7 +149,7 @@ class Region:
             original = ctx.get(f"original_{method}")
             if original is not None and method in owner.__dict__:
                 self._saved[method] = owner.__dict__[method]
-                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh_method(original)), self.pendings))
+                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh(original)), self.pendings))
 
     def leave(self) -> None:
         self.users = max(self.users - 1, 0)
@@ -226,14 +226,11 @@ def _fresh_call(module: nn.Module) -> types.FunctionType:
     return _fresh(compiled_region)
 
 
-def _fresh_method(method: Any) -> Any:
-    func = method.__func__ if isinstance(method, types.MethodType) else method
-    fresh = _fresh(func)
-    return types.MethodType(fresh, method.__self__) if isinstance(method, types.MethodType) else fresh
-
-
-def _fresh(func: Any) -> types.FunctionType:
-    """``func`` with a code object of its own: a cache of compiled code that nothing else shares."""
+def _fresh(func: Any) -> Any:
+    """``func`` (a function, or a method bound again) with a code object of its own: a cache of compiled code that
+    nothing else shares."""
+    if isinstance(func, types.MethodType):
+        return types.MethodType(_fresh(func.__func__), func.__self__)
     code = func.__code__.replace()
     fresh = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     fresh.__kwdefaults__ = func.__kwdefaults__
