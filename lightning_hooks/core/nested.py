@@ -113,11 +113,7 @@ def leaf_shapes(obj: Any) -> tuple[torch.Size, ...]:
 
 
 def call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a module was called with, in the form a table shows best.
-
-    A single positional argument is shown as itself; otherwise positional arguments are keyed by
-    position and keyword arguments by name.
-    """
+    """What a module was called with, in the form a table shows best: a lone positional argument as itself."""
     return args[0] if len(args) == 1 and not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
 
 

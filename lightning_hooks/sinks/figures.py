@@ -1,8 +1,5 @@
-"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra, imported on first use).
-
-The series come from host-side states; the renderers return an ``H x W x 3`` ``uint8`` image drawn
-on the Agg canvas (no pyplot, no global state).
-"""
+"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra, imported on first use)
+on the Agg canvas: no pyplot, no global state."""
 
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ __all__ = [
 ]
 
 INSTALL_HINT = "pip install 'lightning-hooks[plots]'"
-"""How to install what the figures need."""
 
 DEAD = 0.9
 """Zero fraction from which a layer's bar is drawn as dead."""

@@ -33,10 +33,7 @@ def echo(text: str) -> None:
 class Sink:
     """Sends a callback's host numbers, histograms, figures, text and tables to whatever loggers a Trainer has.
 
-    Each logger gets what it can show, in its own form (README: Loggers); an unknown logger gets
-    scalars and one warning, and a kind that no logger shows one warning. A call sends at once;
-    inside :meth:`gathered` each step is sent as one :meth:`log_step`. Every write happens on global
-    rank zero only.
+    Each logger gets what it can show, in its own form (README: Loggers), from global rank zero only.
     """
 
     def __init__(self, owner: str) -> None:
