@@ -75,16 +75,14 @@ def report_silent_modules(
     if not silent or silent in reported:
         return
     reported.add(silent)
-    pl_module = trainer.lightning_module
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
-    compile_hint = (
-        "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
-        "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
-        "instead, whose regions are observed. "
-        if compiled
-        else ""
-    )
+    compile_hint = ""
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.lightning_module.modules()):
+        compile_hint = (
+            "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
+            "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
+            "instead, whose regions are observed. "
+        )
     rank_zero_warn(
         f"lightning_hooks: {len(silent)} selected module(s) never ran in training step {step}, so there is nothing "
         f"to show for them: {shown}. {compile_hint}Other causes: a module unused in `forward`, or a fused fast path "
@@ -96,8 +94,8 @@ def report_silent_modules(
 class HookCallback(Callback):
     """Base of the callbacks: modules are selected in ``on_fit_start``, hooks leave on every exit path.
 
-    Subclasses implement :meth:`_attach`, registering hooks for the whole fit with ``self._handles``;
-    observing hooks go into ``self._step_handles`` for the steps that need them and leave at their end.
+    Subclasses implement :meth:`_attach`, hooking for the fit into ``self._handles``, for a step into
+    ``self._step_handles``.
     """
 
     def __init__(
@@ -134,10 +132,8 @@ class HookCallback(Callback):
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
     def due_step(self, trainer: pl.Trainer) -> int | None:
-        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`.
-
-        Called from the training-batch hooks only, so it does not check ``trainer.training``.
-        """
+        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`. For the
+        training-batch hooks: ``trainer.training`` is not checked."""
         step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
 
@@ -194,11 +190,9 @@ class HookCallback(Callback):
 class StatsCallback(HookCallback):
     """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
 
-    ``_arm_step`` attaches the recorders to ``self._eager_modules`` for each training batch of a
-    logging step; modules inside a ``torch.compile``'d region get switched hooks for the whole fit
-    from ``_attach_compiled``, which leave their states in ``self._pending``. ``_emit`` fetches and
-    logs once the optimizer has stepped; the :class:`~lightning_hooks.callbacks.dashboard.Dashboard`
-    adds the layout and the figures.
+    ``_arm_step`` hooks ``self._eager_modules`` for each training batch of a logging step; modules inside a
+    ``torch.compile``'d region get switched hooks for the whole fit from ``_attach_compiled``, which leave their
+    states in ``self._pending``. ``_emit`` fetches and logs once the optimizer has stepped.
     """
 
     bins = 64
@@ -251,7 +245,6 @@ class StatsCallback(HookCallback):
         raise NotImplementedError
 
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
-        """Register the switched hooks of the modules inside compiled regions, for the whole fit."""
         raise NotImplementedError
 
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
