@@ -29,7 +29,6 @@ def _key(entry: Any) -> str:
 
 
 def _opaque_container(obj: Any) -> bool:
-    """Containers pytree does not open by itself but we do."""
     return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
         isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES
     )

@@ -148,9 +148,8 @@ class NonFiniteRecorder:
     def _measure(self, t: torch.Tensor) -> _Seen:
         """The tensor's reading, taken once while the tensor stays the same object at the same version."""
         seen = self._seen.get(id(t))
-        if seen is not None and seen.version == t._version and seen.ref() is t:
-            return seen
-        seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
+        if seen is None or seen.version != t._version or seen.ref() is not t:
+            seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
         return seen
 
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
@@ -329,10 +328,8 @@ def find_nonfinite(
 
 
 def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """One 0-d tensor per gradient, finite whenever the gradient is: its 2-norm.
-
-    Finite values whose squares overflow make it non-finite too; :func:`parameter_readings` sorts them out.
-    """
+    """Per gradient, its 2-norm as a 0-d tensor: not finite when the gradient is not, nor when the squares of
+    finite values overflow (:func:`parameter_readings` tells them apart)."""
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
 

@@ -156,11 +156,8 @@ class Sink:
 
     @rank_zero_only
     def layout(self, trainer: pl.Trainer, step: int) -> None:
-        """Write, at ``step``, the custom-scalars layout of each TensorBoard run that has tags it did not cover.
-
-        A run's layout covers the tags of every sink that logs to it and replaces any other; inside
-        :meth:`gathered` it is written after the held steps. Other loggers are skipped.
-        """
+        """Write, at ``step``, the custom-scalars layout of each TensorBoard run that has tags it did not cover: one
+        covering the tags of every sink that logs to the run (inside :meth:`gathered`, after the held steps)."""
         if self._held is not None:
             self._held_layout = step
             return

@@ -122,10 +122,8 @@ def pool(table: torch.Tensor, index: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def derive_table(states: torch.Tensor, stats: Sequence[str] = STATS) -> torch.Tensor:
-    """The named statistics of each row of a ``(k, WIDTH)`` float64 state table, as a ``(k, len(stats))`` matrix.
-
-    An empty state's row is NaN or 0; callers leave it out.
-    """
+    """The named statistics of each row of a ``(k, WIDTH)`` float64 state table, as a ``(k, len(stats))`` matrix
+    (NaN or 0 for an empty state, which callers leave out)."""
     n, total, squares, nonzero, nonfinite, _, abs_max = states.unbind(1)
     mean = total / n
     finite = torch.isfinite(squares)
