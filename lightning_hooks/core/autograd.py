@@ -20,10 +20,7 @@ def in_backward() -> bool:
 def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
     """The current scale of an enabled ``GradScaler`` as the tensor on device, which gradients carry until the
     scaler unscales them; ``None`` without one or before its first ``scale()`` call."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale: torch.Tensor | None = getattr(scaler, "_scale", None)
-    return scale
+    return getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
 
 
 def dense_gradient(grad: torch.Tensor) -> torch.Tensor:

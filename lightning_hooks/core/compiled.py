@@ -55,9 +55,7 @@ class Switched:
         self.switch, self.hook = switch, hook
 
     def __call__(self, *args: Any) -> Any:
-        if self.switch.on and not Observer.asleep:
-            return self.hook(*args)
-        return None
+        return self.hook(*args) if self.switch.on and not Observer.asleep else None
 
 
 class Pending:

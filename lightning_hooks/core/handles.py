@@ -84,9 +84,7 @@ class Observer:
         self.hook = hook
 
     def __call__(self, *args: Any) -> Any:
-        if Observer.asleep:
-            return None
-        return self.hook(*args)
+        return None if Observer.asleep else self.hook(*args)
 
 
 @contextmanager

@@ -17,12 +17,9 @@ def is_sharded(t: object) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: the local shard of a ``DTensor`` (its storage: in-place
-    changes reach the ``DTensor``), ``t`` itself otherwise."""
-    if not is_sharded(t):
-        return t
-    shard: torch.Tensor = t._local_tensor  # type: ignore[attr-defined]  # to_local() would record an autograd node
-    return shard
+    """The part of ``t`` this process holds: the local shard of a ``DTensor`` (its storage, so that in-place changes
+    reach the ``DTensor``; ``to_local()`` would record an autograd node), ``t`` itself otherwise."""
+    return t._local_tensor if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
 def counted_part(t: torch.Tensor) -> torch.Tensor:
