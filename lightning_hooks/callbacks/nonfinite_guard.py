@@ -234,7 +234,9 @@ class NonFiniteGuard(HookCallback):
     def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
         """Replay mode: check the step; if it failed, read what the check saw, replay the step, agree across ranks
         and act."""
-        found_inf = self._found_inf(optimizer)
+        # the flags the GradScaler set when it unscaled this optimizer's gradients
+        scaler_state = self._scaler._per_optimizer_states.get(id(optimizer), {}) if self._scaler is not None else {}
+        found_inf = list(scaler_state.get("found_inf_per_device", {}).values())
         grads = [] if found_inf else _strided_gradients(optimizer)
         losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
         # under DDP the all-reduced gradients decide, so that every rank reaches the same verdict
@@ -281,13 +283,6 @@ class NonFiniteGuard(HookCallback):
         gathered: list[Finding | None] = [None] * trainer.world_size
         torch.distributed.all_gather_object(gathered, local)
         return first_finding(gathered)
-
-    def _found_inf(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        """The ``found_inf`` flags the GradScaler computed when it unscaled ``optimizer``'s gradients."""
-        if self._scaler is None:
-            return []
-        state = self._scaler._per_optimizer_states.get(id(optimizer), {})
-        return list(state.get("found_inf_per_device", {}).values())
 
     def _check(self, trainer: pl.Trainer, optimizer: Optimizer | None, step: int) -> None:
         """Eager mode: read the step, decide, and act on what was found."""
