@@ -49,18 +49,6 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
         )
 
 
-def refuse_tensor_parallel(strategy: object, owner: str) -> None:
-    """Raise ``MisconfigurationException`` under ``ModelParallelStrategy`` with tensor parallelism."""
-    if isinstance(strategy, ModelParallelStrategy) and (size := strategy.device_mesh["tensor_parallel"].size()) > 1:
-        raise MisconfigurationException(
-            f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
-            f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
-            f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
-            f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
-            f"`fully_shard` in `configure_model`, or DDP."
-        )
-
-
 _SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
 """Per Trainer, during a fit, the sets of silent modules already named (by any of its callbacks)."""
 
@@ -163,8 +151,17 @@ class HookCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            refuse_tensor_parallel(trainer.strategy, type(self).__name__)
+        strategy = trainer.strategy
+        if stage != "fit" or not isinstance(strategy, ModelParallelStrategy):
+            return
+        if (size := strategy.device_mesh["tensor_parallel"].size()) > 1:
+            raise MisconfigurationException(
+                f"`{type(self).__name__}` does not support tensor parallelism (`ModelParallelStrategy` with "
+                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
+                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
+                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
+                f"`fully_shard` in `configure_model`, or DDP."
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
