@@ -1,8 +1,5 @@
-"""Shapes and named tensors of nested module inputs and outputs.
-
-Structure is walked with ``torch.utils._pytree``, and dataclasses and mappings it treats as opaque
-are opened too. Nothing here raises on an unknown type: it is shown by its type name.
-"""
+"""Shapes and named tensors of nested module inputs and outputs, walked with ``torch.utils._pytree`` (dataclasses and
+mappings it treats as opaque opened too); nothing here raises on an unknown type: it is shown by its type name."""
 
 from __future__ import annotations
 
