@@ -206,7 +206,7 @@ class NonFiniteGuard(HookCallback):
         if self.gate.step is None:
             return
         if self._skipping:
-            _drop_gradients(optimizer)
+            optimizer.zero_grad(set_to_none=True)
             return
         if self._eager:
             self._check(trainer, optimizer, self.gate.step)
@@ -332,7 +332,7 @@ class NonFiniteGuard(HookCallback):
             self._sink.flush(trainer)
             raise NonFiniteError(report, finding)
         if skip and optimizer is not None:
-            _drop_gradients(optimizer)
+            optimizer.zero_grad(set_to_none=True)
             self._skipping = True
             self.skipped_steps += 1
             self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
@@ -354,13 +354,6 @@ class NonFiniteGuard(HookCallback):
         return (
             f"a GradScaler is active (scale {scale:g}) but found the parameter gradients finite: it will take this step"
         )
-
-
-def _drop_gradients(optimizer: Optimizer) -> None:
-    """Make the coming optimizer step a no-op: optimizers skip parameters whose ``grad`` is ``None``."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
