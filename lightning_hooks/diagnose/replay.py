@@ -107,7 +107,6 @@ def replay(
                     if backward and loss.requires_grad and recorder.keep:
                         torch.autograd.grad(loss.float().sum(), recorder.keep, allow_unused=True)
                 recorder.keep = None  # the activations go with the micro-batch
-            recorder.active = False
         return recorder.find()[0]
     finally:
         recorder.active, recorder.keep = False, None
