@@ -80,11 +80,8 @@ def report_silent_modules(
 
 
 class HookCallback(Callback):
-    """Base of the callbacks: modules are selected in ``on_fit_start``, hooks leave on every exit path.
-
-    Subclasses implement :meth:`_attach`, hooking for the fit into ``self._handles``, for a step into
-    ``self._step_handles``.
-    """
+    """Base of the callbacks: modules are selected in ``on_fit_start``, hooked by :meth:`_attach` for the fit
+    (``self._handles``) or for a step (``self._step_handles``), and unhooked on every exit path."""
 
     def __init__(
         self,
