@@ -63,10 +63,10 @@ class Dashboard:
         self._skipped, self._next_draw = None, -math.inf
         every = self.figure_every(log_every)
         if self.figures and every % log_every:
-            both = every * log_every // math.gcd(every, log_every)
             rank_zero_warn(
                 f"`{self.owner}` got `figure_every_n_steps={every}`, which is not a multiple of the logging period "
-                f"({log_every} steps); figures are drawn on logging steps only, so every {both} steps."
+                f"({log_every} steps); figures are drawn on logging steps only, so every {math.lcm(every, log_every)} "
+                f"steps."
             )
 
     def reset(self) -> None:
