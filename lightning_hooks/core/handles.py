@@ -14,9 +14,7 @@ __all__ = ["HookHandles", "Observer", "made_once", "observers_asleep"]
 
 
 class HookHandles:
-    """Owns hook handles so that one call removes all of them.
-
-    ``remove()`` is idempotent and leaves the owner empty; as a context manager it removes everything on exit.
+    """Owns hook handles so that one call (:meth:`remove`, or leaving a ``with`` block) removes all of them.
 
     Example::
 
