@@ -395,7 +395,6 @@ def _logging_dropped(pl_module: pl.LightningModule) -> Iterator[None]:
     try:
         yield
     finally:
-        if own is None:
-            del pl_module.log
-        else:
+        del pl_module.log
+        if own is not None:
             pl_module.log = own  # type: ignore[method-assign]
