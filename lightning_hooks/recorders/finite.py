@@ -145,13 +145,6 @@ class NonFiniteRecorder:
         if (slot := self.readings.take(loss)) is not None:
             self.losses.append(slot)
 
-    def _measure(self, t: torch.Tensor) -> _Seen:
-        """The tensor's reading, taken once while the tensor stays the same object at the same version."""
-        seen = self._seen.get(id(t))
-        if seen is None or seen.version != t._version or seen.ref() is not t:
-            seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
-        return seen
-
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
         if seen.group is None:
             seen.group = len(self.groups)
@@ -165,7 +158,9 @@ class NonFiniteRecorder:
         slots = self.calls[call].outputs if output else self.calls[call].inputs
         grads = self.check_backward and torch.is_grad_enabled()
         for path, t in tensors:
-            seen = self._measure(t)
+            seen = self._seen.get(id(t))  # read once while it stays the same object at the same version
+            if seen is None or seen.version != t._version or seen.ref() is not t:
+                seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
             if seen.slot is not None:
                 slots.append((path, seen.slot))
             if grads and t.requires_grad:
