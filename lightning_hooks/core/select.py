@@ -186,11 +186,9 @@ def is_compile_wrapper(module: nn.Module) -> bool:
 def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
     """``(qualified name, parameter)`` for the parameters owned by ``modules`` that require grad,
     each shared parameter once, under its first name."""
-    seen: set[int] = set()
-    found: list[tuple[str, nn.Parameter]] = []
+    found: dict[int, tuple[str, nn.Parameter]] = {}
     for name, module in modules:
         for pname, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                found.append((f"{name}.{pname}" if name else pname, param))
-    return found
+            if param.requires_grad:
+                found.setdefault(id(param), (f"{name}.{pname}" if name else pname, param))
+    return list(found.values())
