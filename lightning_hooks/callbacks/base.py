@@ -340,9 +340,7 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, prefix: str, hists: dict[tuple[str, str], Histogram], step: int
     ) -> None:
         """``{prefix}{name}`` for each key's histogram that counted something, sent together."""
-        kept = {f"{prefix}{name}": hist for (_, name), hist in hists.items() if hist.num}
-        if kept:
-            self._sink.histograms(trainer, kept, step)
+        self._sink.histograms(trainer, {f"{prefix}{name}": hist for (_, name), hist in hists.items() if hist.num}, step)
 
 
 def metrics(prefix: str, fetched: Fetched, group: str, stats: Sequence[str]) -> dict[str, float]:
