@@ -11,13 +11,12 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_hooks.core.tables import Cell, Table
+from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, names_showing
 from lightning_hooks.stats.histogram import Histogram
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from numpy.typing import NDArray
-
-from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, names_showing
 
 __all__ = ["Sink", "echo"]
 
