@@ -318,7 +318,6 @@ class StatsCallback(HookCallback):
         """How to pool the states of ``groups`` over ranks (``None`` in one process); every rank must fetch with it."""
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
-        strategy = trainer.strategy
 
         def agree(mine: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
             gathered: list[list[tuple[Any, ...]] | None] = [None] * trainer.world_size
@@ -327,7 +326,7 @@ class StatsCallback(HookCallback):
 
         def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
             reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
-            return strategy.reduce(tensor, reduce_op=reduce_op)
+            return trainer.strategy.reduce(tensor, reduce_op=reduce_op)
 
         return Across(frozenset(groups), agree, reduce)
 
