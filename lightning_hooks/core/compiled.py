@@ -59,11 +59,9 @@ class Switched:
 
 
 class Pending:
-    """States computed inside compiled graphs (:func:`state_row`), waiting for the step to end.
-
-    :meth:`add` has :meth:`StatBatch.add`'s signature. Traced code only appends to ``rows`` and
-    ``fired``, which the region empties after each call (:meth:`settle`), so nothing recompiles.
-    """
+    """States computed inside compiled graphs by :meth:`add` (:meth:`StatBatch.add`'s signature), waiting for the
+    step to end. Traced code only appends to ``rows`` and ``fired``, which the region empties after each call
+    (:meth:`settle`), so nothing recompiles."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
