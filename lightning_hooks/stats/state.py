@@ -46,11 +46,8 @@ _SUMMED = WIDTH - 1
 
 
 def reduce_rows(m: torch.Tensor) -> torch.Tensor:
-    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction.
-
-    Values are reduced in float32 (float64 stays float64); the sum of squares is rebuilt in float64
-    from the mean and the spread around it. NaN wins the maximum and counts as non-zero.
-    """
+    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction. Values are
+    reduced in float32 (float64 stays float64); NaN wins the maximum and counts as non-zero."""
     x = m.detach()
     x = x if x.dtype == torch.float64 else x.float()
     k, n = x.shape
@@ -67,7 +64,7 @@ def reduce_rows(m: torch.Tensor) -> torch.Tensor:
     raw = torch.stack([mean, spread, nonzero, n - finite, abs_sum, abs_max], 1).double()
     mean, spread = raw[:, :1], raw[:, 1:2]
     total = mean * n
-    sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean²
+    sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean², rebuilt in float64
     return torch.cat([total.new_full((k, 1), n), total, sum_sq, raw[:, 2:]], 1)
 
 
