@@ -3,8 +3,7 @@
 Each hook is :class:`Switched`: it runs only while its region's :class:`Switch` is on, so dynamo
 keeps a quiet graph and a logging one whose statistics come out in a :class:`Pending`. During a
 fit a region is called through a fresh entry point (:meth:`Region.enter`), compiled anew with the
-hooks; the last :meth:`Region.leave` restores the original and its cache. Regions are
-``torch.compile(module)`` wrappers and a LightningModule passed to ``fit`` as ``torch.compile(model)``.
+hooks; the last :meth:`Region.leave` restores the original and its cache.
 """
 
 from __future__ import annotations
