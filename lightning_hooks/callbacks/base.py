@@ -182,12 +182,9 @@ class HookCallback(Callback):
 
 
 class StatsCallback(HookCallback):
-    """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
-
-    ``_arm_step`` hooks ``self._eager_modules`` for each training batch of a logging step; modules inside a
-    ``torch.compile``'d region get switched hooks for the whole fit from ``_attach_compiled``, which leave their
-    states in ``self._pending``. ``_emit`` fetches and logs once the optimizer has stepped.
-    """
+    """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`: ``_arm_step``
+    hooks ``self._eager_modules`` for each batch of a logging step, ``_attach_compiled`` the modules inside compiled
+    regions for the fit (their states wait in ``self._pending``); ``_emit`` logs once the optimizer has stepped."""
 
     bins = 64
     needs_logger = True
