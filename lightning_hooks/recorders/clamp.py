@@ -71,10 +71,8 @@ def clamp_true_gradient(
 
 
 class GradClamper:
-    """Clamp parameter gradients, in backward (:meth:`attach`) or once accumulated (:meth:`clamp_accumulated`).
-
-    In backward a tensor hook on each parameter clamps the gradient autograd is about to accumulate,
-    bounded by ``value`` times the scale of ``scaler`` when one is scaling the loss. ``count`` counts
+    """Clamp parameter gradients in backward (:meth:`attach`: a tensor hook on each parameter, the bound times the
+    scale of ``scaler`` if one scales the loss) or once accumulated (:meth:`clamp_accumulated`); ``count`` counts
     clamped elements while active.
 
     Example::
