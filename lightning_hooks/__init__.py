@@ -26,16 +26,6 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_CALLBACKS = (
-    "ActivationStats",
-    "GradClamp",
-    "GradStats",
-    "HealthMonitor",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "ShapeLogger",
-)
-
 __all__ = [
     "ActivationStats",
     "Finding",
@@ -55,8 +45,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Load the callbacks, and Lightning with them, on first use."""
-    if name not in _CALLBACKS:
+    """Load the callbacks, and Lightning with them, on first use (the names of ``__all__`` not bound above)."""
+    if name not in __all__:
         raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
     try:
         callbacks = importlib.import_module("lightning_hooks.callbacks")

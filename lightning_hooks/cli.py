@@ -13,26 +13,18 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 
 
 def main(args: ArgsType = None) -> None:
-    """The console script: parse ``args`` (default: the command line) and run the subcommand."""
-    cli(args)
-
-
-def cli(args: ArgsType = None, *, run: bool = True) -> LightningCLI:
-    """``LightningCLI`` in subclass mode for both the model and the data module.
-
-    The working directory is put on ``sys.path`` first, as ``python -m`` does, so that class
-    paths of the project the command is run from (``examples.digits.DigitsCNN``) import.
-    """
+    """The console script: ``LightningCLI``, in subclass mode for the model and the data module, runs ``args``
+    (default: the command line) with the working directory first on ``sys.path``, as ``python -m`` puts it, so that
+    the class paths of the project it is run from (``examples.digits.DigitsCNN``) import."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return LightningCLI(
+    LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,
-        run=run,
     )
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -39,8 +40,6 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:
     """Raise ``MisconfigurationException`` under FSDP1 (``FSDPStrategy``), whose flat parameters ``what`` cannot
     hook; the message suggests ``fix``."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
     if isinstance(strategy, FSDPStrategy):
         raise MisconfigurationException(
             f"{what} does not support `strategy=FSDPStrategy` (FSDP1): it flattens parameters into sharded flat "
@@ -48,22 +47,6 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
             f"Either {fix}, shard with `ModelParallelStrategy` (FSDP2: `fully_shard` in `configure_model`), which "
             f"{what} supports, or use DDP."
         )
-
-
-def refuse_tensor_parallel(strategy: object, owner: str) -> None:
-    """Raise ``MisconfigurationException`` under ``ModelParallelStrategy`` with tensor parallelism."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if isinstance(strategy, ModelParallelStrategy):
-        size = strategy.device_mesh["tensor_parallel"].size()
-        if size > 1:
-            raise MisconfigurationException(
-                f"`{owner}` does not support tensor parallelism (`ModelParallelStrategy` with "
-                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
-                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
-                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
-                f"`fully_shard` in `configure_model`, or DDP."
-            )
 
 
 _SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
@@ -80,16 +63,14 @@ def report_silent_modules(
     if not silent or silent in reported:
         return
     reported.add(silent)
-    pl_module = trainer.lightning_module
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
-    compile_hint = (
-        "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
-        "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
-        "instead, whose regions are observed. "
-        if compiled
-        else ""
-    )
+    compile_hint = ""
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.lightning_module.modules()):
+        compile_hint = (
+            "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
+            "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
+            "instead, whose regions are observed. "
+        )
     rank_zero_warn(
         f"lightning_hooks: {len(silent)} selected module(s) never ran in training step {step}, so there is nothing "
         f"to show for them: {shown}. {compile_hint}Other causes: a module unused in `forward`, or a fused fast path "
@@ -99,11 +80,8 @@ def report_silent_modules(
 
 
 class HookCallback(Callback):
-    """Base of the callbacks: modules are selected in ``on_fit_start``, hooks leave on every exit path.
-
-    Subclasses implement :meth:`_attach`, registering hooks for the whole fit with ``self._handles``;
-    observing hooks go into ``self._step_handles`` for the steps that need them and leave at their end.
-    """
+    """Base of the callbacks: modules are selected in ``on_fit_start``, hooked by :meth:`_attach` for the fit
+    (``self._handles``) or for a step (``self._step_handles``), and unhooked on every exit path."""
 
     def __init__(
         self,
@@ -128,11 +106,9 @@ class HookCallback(Callback):
         self._handles = HookHandles()
         self._step_handles = HookHandles()
         self._regions = Regions()
-        """The compiled regions this callback hooks into during a fit (see :mod:`lightning_hooks.core.compiled`)."""
         self._modules: list[tuple[str, nn.Module]] = []
         self._sink = Sink(owner)
         self.gate = StepGate()
-        """Which optimizer step the callback is recording, if any."""
         self.batch_step = -1
         """The optimizer step :meth:`due_step` last read (the current batch's while the gate is closed)."""
 
@@ -140,15 +116,9 @@ class HookCallback(Callback):
         """The logging period in optimizer steps."""
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
-    def is_logging_step(self, trainer: pl.Trainer) -> bool:
-        """Whether the training batch's optimizer step is a multiple of the period."""
-        return self.due_step(trainer) is not None
-
     def due_step(self, trainer: pl.Trainer) -> int | None:
-        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`.
-
-        Called from the training-batch hooks only, so it does not check ``trainer.training``.
-        """
+        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`. For the
+        training-batch hooks: ``trainer.training`` is not checked."""
         step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
 
@@ -178,8 +148,17 @@ class HookCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            refuse_tensor_parallel(trainer.strategy, type(self).__name__)
+        strategy = trainer.strategy
+        if stage != "fit" or not isinstance(strategy, ModelParallelStrategy):
+            return
+        if (size := strategy.device_mesh["tensor_parallel"].size()) > 1:
+            raise MisconfigurationException(
+                f"`{type(self).__name__}` does not support tensor parallelism (`ModelParallelStrategy` with "
+                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
+                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
+                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
+                f"`fully_shard` in `configure_model`, or DDP."
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -203,14 +182,9 @@ class HookCallback(Callback):
 
 
 class StatsCallback(HookCallback):
-    """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`.
-
-    ``_arm_step`` attaches the recorders to ``self._eager_modules`` for each training batch of a
-    logging step; modules inside a ``torch.compile``'d region get switched hooks for the whole fit
-    from ``_attach_compiled``, which leave their states in ``self._pending``. ``_emit`` fetches and
-    logs once the optimizer has stepped; the :class:`~lightning_hooks.callbacks.dashboard.Dashboard`
-    adds the layout and the figures.
-    """
+    """A callback that logs statistics on logging steps, gathered on device into a :class:`StatBatch`: ``_arm_step``
+    hooks ``self._eager_modules`` for each batch of a logging step, ``_attach_compiled`` the modules inside compiled
+    regions for the fit (their states wait in ``self._pending``); ``_emit`` logs once the optimizer has stepped."""
 
     bins = 64
     needs_logger = True
@@ -250,7 +224,6 @@ class StatsCallback(HookCallback):
         self._batch = StatBatch(self.bins)
         self._pending = Pending()
         self._eager_modules: list[tuple[str, nn.Module]] = []
-        """The selected modules outside compiled regions, hooked on logging steps only."""
         self._enabled = True
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
@@ -263,7 +236,6 @@ class StatsCallback(HookCallback):
         raise NotImplementedError
 
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
-        """Register the switched hooks of the modules inside compiled regions, for the whole fit."""
         raise NotImplementedError
 
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
@@ -343,7 +315,6 @@ class StatsCallback(HookCallback):
         """How to pool the states of ``groups`` over ranks (``None`` in one process); every rank must fetch with it."""
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
-        strategy = trainer.strategy
 
         def agree(mine: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
             gathered: list[list[tuple[Any, ...]] | None] = [None] * trainer.world_size
@@ -352,13 +323,12 @@ class StatsCallback(HookCallback):
 
         def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
             reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
-            return strategy.reduce(tensor, reduce_op=reduce_op)
+            return trainer.strategy.reduce(tensor, reduce_op=reduce_op)
 
         return Across(frozenset(groups), agree, reduce)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:
-        """Log ``{prefix}{stat}/{name}`` for the chosen stats of every key of ``group``, and hand the states to the
-        dashboard."""
+        """Log the chosen :func:`metrics` of ``group`` and hand its states to the dashboard."""
         self._sink.scalars(trainer, metrics(prefix, fetched, group, self.stats), step)
         self._dashboard.add_rows(prefix, {name: s for (g, name), s in fetched.states.items() if g == group}, step)
 
@@ -366,9 +336,7 @@ class StatsCallback(HookCallback):
         self, trainer: pl.Trainer, prefix: str, hists: dict[tuple[str, str], Histogram], step: int
     ) -> None:
         """``{prefix}{name}`` for each key's histogram that counted something, sent together."""
-        kept = {f"{prefix}{name}": hist for (_, name), hist in hists.items() if hist.num}
-        if kept:
-            self._sink.histograms(trainer, kept, step)
+        self._sink.histograms(trainer, {f"{prefix}{name}": hist for (_, name), hist in hists.items() if hist.num}, step)
 
 
 def metrics(prefix: str, fetched: Fetched, group: str, stats: Sequence[str]) -> dict[str, float]:

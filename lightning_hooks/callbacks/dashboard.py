@@ -6,7 +6,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -23,22 +23,11 @@ __all__ = ["Dashboard", "FIGURE_PERIOD_FACTOR"]
 
 Rows = Mapping[str, State]
 
-
-def _gradient_flow(rows: Rows, step: int) -> NDArray[np.uint8] | None:
-    layers, mean_abs, max_abs = _figures.gradient_flow_series(rows)
-    return _figures.render_gradient_flow(layers, mean_abs, max_abs, step) if layers else None
-
-
-def _zero_fraction(rows: Rows, step: int) -> NDArray[np.uint8] | None:
-    layers, values = _figures.zero_fraction_series(rows)
-    return _figures.render_zero_fraction(layers, values, step) if layers else None
-
-
-FIGURES: dict[str, tuple[str, Callable[[Rows, int], NDArray[np.uint8] | None]]] = {
-    "grad_": ("figures/gradient_flow", _gradient_flow),
-    "act_": ("figures/activation_zero_frac", _zero_fraction),
+FIGURES: dict[str, tuple[str, Callable[[Rows], tuple[list[Any], ...]], Callable[..., NDArray[np.uint8]]]] = {
+    "grad_": ("figures/gradient_flow", _figures.gradient_flow_series, _figures.render_gradient_flow),
+    "act_": ("figures/activation_zero_frac", _figures.zero_fraction_series, _figures.render_zero_fraction),
 }
-"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, draw)}``."""
+"""Which figure the moment rows logged under a tag prefix make: ``{prefix: (tag, series, render)}``."""
 
 FIGURE_PERIOD_FACTOR = 10
 """Without ``figure_every_n_steps``, figures are drawn every this many logging periods..."""
@@ -48,21 +37,13 @@ FIGURE_TIME_SHARE = 0.01
 
 
 class Dashboard:
-    """The custom-scalars layout and the figures of one statistics callback.
-
-    The callback hands over the states it logs (:meth:`add_rows`) and calls :meth:`publish` at the
-    end of every training batch, which writes the layout when new tags appeared and, on multiples of
-    the figure period, draws the figures (rank zero, for loggers that show images). Without such a
-    logger it warns once if ``figure_every_n_steps`` was given; without matplotlib it warns once.
-
-    With the default period a figure is skipped while drawing would take over
-    :data:`FIGURE_TIME_SHARE` of the wall time; :meth:`finish` draws the last skipped one.
-    """
+    """The custom-scalars layout and the figures of one statistics callback: :meth:`publish`, at the end of every
+    training batch, writes the layout and, on multiples of the figure period, draws the figures of the rows handed
+    over by :meth:`add_rows` (rank zero, for loggers that show images; else one warning if a period was given)."""
 
     def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
         self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
         self.figures = figures
-        """Whether figures are drawn at all (matplotlib is never imported otherwise)."""
         self._rows: dict[str, Rows] = {}
         self._step: int | None = None
         self._can_draw = True
@@ -79,10 +60,10 @@ class Dashboard:
         self._skipped, self._next_draw = None, -math.inf
         every = self.figure_every(log_every)
         if self.figures and every % log_every:
-            both = every * log_every // math.gcd(every, log_every)
             rank_zero_warn(
                 f"`{self.owner}` got `figure_every_n_steps={every}`, which is not a multiple of the logging period "
-                f"({log_every} steps); figures are drawn on logging steps only, so every {both} steps."
+                f"({log_every} steps); figures are drawn on logging steps only, so every {math.lcm(every, log_every)} "
+                f"steps."
             )
 
     def reset(self) -> None:
@@ -128,9 +109,10 @@ class Dashboard:
             return
         started = time.monotonic()
         for prefix, prefix_rows in rows.items():
-            tag, draw = FIGURES[prefix]
-            if (image := draw(prefix_rows, step)) is not None:
-                self.sink.image(trainer, tag, image, step)
+            tag, series, render = FIGURES[prefix]
+            layers, *values = series(prefix_rows)
+            if layers:
+                self.sink.image(trainer, tag, render(layers, *values, step), step)
             # A drawn figure is a web of reference cycles: collected now, the next figure reuses its memory.
             gc.collect()
         finished = time.monotonic()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded
@@ -152,15 +152,11 @@ class GradClamp(HookCallback):
         # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
         step = self.gate.end(trainer.global_step)
         if step is not None:
-            fraction = self._clamper.count.fraction(_summer(trainer) if self._sharded else None)
+            fraction = self._clamper.count.fraction(partial(_summed, trainer.strategy) if self._sharded else None)
             if fraction is not None:
                 self._sink.scalars(trainer, {TAG: fraction}, step)
 
 
-def _summer(trainer: pl.Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A sum over every process, on the strategy's device (one all-reduce)."""
-
-    def total(tensor: torch.Tensor) -> torch.Tensor:
-        return trainer.strategy.reduce(tensor.to(trainer.strategy.root_device), reduce_op="sum")
-
-    return total
+def _summed(strategy: Strategy, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over every process, on the strategy's device (one all-reduce)."""
+    return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum")

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, loss_scaler
@@ -38,10 +39,8 @@ SKIPPED_TAG = "nonfinite/skipped_steps"
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised by ``NonFiniteGuard(action="raise")``; ``finding`` holds the report as data.
-
-    ``finding`` is ``None`` on a rank that found nothing itself when another rank did (DDP).
-    """
+    """Raised by ``NonFiniteGuard(action="raise")``; ``finding`` holds the report as data (``None`` on a rank that
+    found nothing itself when another rank did, under DDP)."""
 
     def __init__(self, message: str, finding: Finding | None) -> None:
         super().__init__(message)
@@ -202,12 +201,12 @@ class NonFiniteGuard(HookCallback):
 
     @override
     def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if self.gate.step is None:
             return
         if self._skipping:
-            _drop_gradients(optimizer)
+            optimizer.zero_grad(set_to_none=True)
             return
         if self._eager:
             self._check(trainer, optimizer, self.gate.step)
@@ -229,32 +228,22 @@ class NonFiniteGuard(HookCallback):
             if len(self._recorder):
                 self._check(trainer, None, step)
             self._disarm()
-        if not self.gate.is_open and not self.is_logging_step(trainer):
+        if not self.gate.is_open and self.due_step(trainer) is None:
             self._step_handles.remove()
 
-    def _sentinel(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, step: int
-    ) -> None:
-        """Replay mode: check the step; replay it and act only if it failed."""
-        found_inf = self._found_inf(optimizer)
+    def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
+        """Replay mode: check the step; if it failed, read what the check saw, replay the step, agree across ranks
+        and act."""
+        # the flags the GradScaler set when it unscaled this optimizer's gradients
+        scaler_state = self._scaler._per_optimizer_states.get(id(optimizer), {}) if self._scaler is not None else {}
+        found_inf = list(scaler_state.get("found_inf_per_device", {}).values())
         grads = [] if found_inf else _strided_gradients(optimizer)
-        # under DDP the all-reduced gradients decide, so that every rank reaches the same verdict
-        losses = [] if self._distributed else [m.loss for m in self._micro_batches if m.loss is not None]
-        if finite_step(grads, losses, found_inf):
-            return
-        self._failed(trainer, pl_module, optimizer, step, scaler_skips=bool(found_inf and sum(map(float, found_inf))))
-
-    def _failed(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        optimizer: torch.optim.Optimizer,
-        step: int,
-        scaler_skips: bool,
-    ) -> None:
-        """The sentinel fired: read what it saw, replay the step, agree across ranks, act."""
-        named = self._gradients(optimizer) if self.check_backward else []
         losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
+        # under DDP the all-reduced gradients decide, so that every rank reaches the same verdict
+        if finite_step(grads, [] if self._distributed else [loss for _, loss in losses], found_inf):
+            return
+        scaler_skips = bool(found_inf and sum(map(float, found_inf)))
+        named = self._gradients(optimizer) if self.check_backward else []
         seen = [*(n.float() for n in grad_readings(named)), *(loss.float() for _, loss in losses)]
         values = torch.stack(seen).tolist() if seen else []
         parameters = parameter_readings(named, values[: len(named)])
@@ -278,8 +267,9 @@ class NonFiniteGuard(HookCallback):
         takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
 
         def run(micro: MicroBatch) -> torch.Tensor | None:
-            args = (micro.batch, micro.batch_idx) if takes_batch_idx else (micro.batch,)
-            return _loss_of(training_step(*args))
+            output = training_step(micro.batch, micro.batch_idx) if takes_batch_idx else training_step(micro.batch)
+            loss = output.get("loss") if isinstance(output, Mapping) else output  # as Lightning reads it
+            return loss if isinstance(loss, torch.Tensor) else None
 
         with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context(), eager_stance():
             return replay(
@@ -294,14 +284,7 @@ class NonFiniteGuard(HookCallback):
         torch.distributed.all_gather_object(gathered, local)
         return first_finding(gathered)
 
-    def _found_inf(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The ``found_inf`` flags the GradScaler computed when it unscaled ``optimizer``'s gradients."""
-        if self._scaler is None:
-            return []
-        state = self._scaler._per_optimizer_states.get(id(optimizer), {})
-        return list(state.get("found_inf_per_device", {}).values())
-
-    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer | None, step: int) -> None:
+    def _check(self, trainer: pl.Trainer, optimizer: Optimizer | None, step: int) -> None:
         """Eager mode: read the step, decide, and act on what was found."""
         grads = self._gradients(optimizer) if self.check_backward and optimizer is not None else []
         finding, norms = self._recorder.find(grad_readings(grads))
@@ -322,7 +305,7 @@ class NonFiniteGuard(HookCallback):
         if found:
             self._act(trainer, finding, optimizer, scaler_skips, step)
 
-    def _gradients(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    def _gradients(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
             (self._param_names.get(id(p), f"<parameter {i}>"), local(p.grad))  # a DTensor's own shard (FSDP2)
             for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
@@ -330,12 +313,7 @@ class NonFiniteGuard(HookCallback):
         ]
 
     def _act(
-        self,
-        trainer: pl.Trainer,
-        finding: Finding | None,
-        optimizer: torch.optim.Optimizer | None,
-        scaler_skips: bool,
-        step: int,
+        self, trainer: pl.Trainer, finding: Finding | None, optimizer: Optimizer | None, scaler_skips: bool, step: int
     ) -> None:
         if finding is None:
             lines = [f"another rank found NaN/Inf values at step {step}"]
@@ -349,20 +327,19 @@ class NonFiniteGuard(HookCallback):
             lines.append("the optimizer step is skipped")
         if finding is not None:
             self._sink.text(trainer, TEXT_TAG, "  \n".join(lines), step)
+        report = f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n" + "\n".join(lines)
         if self.action == "raise":
             self._sink.flush(trainer)
-            raise NonFiniteError(f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n" + "\n".join(lines), finding)
+            raise NonFiniteError(report, finding)
         if skip and optimizer is not None:
-            _drop_gradients(optimizer)
+            optimizer.zero_grad(set_to_none=True)
             self._skipping = True
             self.skipped_steps += 1
             self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
         if finding is not None and (key := f"{finding.phase}:{finding.layer}") not in self._warned:
             self._warned.add(key)
             rank_zero_warn(
-                f"`NonFiniteGuard` found NaN/Inf values at step {step}:\n"
-                + "\n".join(lines)
-                + f"\n(Not warned again for `{finding.layer}` ({finding.phase}); every finding is logged to "
+                f"{report}\n(Not warned again for `{finding.layer}` ({finding.phase}); every finding is logged to "
                 f"TensorBoard text `{TEXT_TAG}`.)"
             )
 
@@ -377,13 +354,6 @@ class NonFiniteGuard(HookCallback):
         return (
             f"a GradScaler is active (scale {scale:g}) but found the parameter gradients finite: it will take this step"
         )
-
-
-def _drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Make the coming optimizer step a no-op: optimizers skip parameters whose ``grad`` is ``None``."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
@@ -403,7 +373,7 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
     return ""
 
 
-def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _strided_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
     """The dense gradients of ``optimizer``'s parameters."""
     return [
         grad
@@ -411,13 +381,6 @@ def _strided_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         for p in group["params"]
         if (grad := p.grad) is not None and grad.layout == torch.strided
     ]
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in what ``training_step`` returned, as Lightning reads it."""
-    if isinstance(output, Mapping):
-        output = output.get("loss")
-    return output if isinstance(output, torch.Tensor) else None
 
 
 def _drop_log(*args: Any, **kwargs: Any) -> None:
@@ -432,7 +395,6 @@ def _logging_dropped(pl_module: pl.LightningModule) -> Iterator[None]:
     try:
         yield
     finally:
-        if own is None:
-            del pl_module.log
-        else:
+        del pl_module.log
+        if own is not None:
             pl_module.log = own  # type: ignore[method-assign]

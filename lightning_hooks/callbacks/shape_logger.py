@@ -36,10 +36,6 @@ class ShapeLogger(HookCallback):
     steps are recorded, not activation checkpointing's recompute; recorded batches run
     ``torch.compile``'d code eagerly, so that the hooks fire.
 
-    With ``collapse_repeats`` (the default), a run of three or more consecutive sibling blocks with
-    the same calls, classes, parameter counts and shapes is shown once, named with the range of
-    indices and followed by the number of blocks: ``encoder.layer.0–23  ×24``.
-
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
             batch's shapes did not change. ``None`` uses the Trainer's ``log_every_n_steps``.
@@ -49,8 +45,9 @@ class ShapeLogger(HookCallback):
         types: Class names of modules to hook, matched along each module's class hierarchy
             (``"Conv2d"``, ``"_ConvNd"``).
         max_depth: Hook modules at most this many levels below the LightningModule.
-        collapse_repeats: Show a run of identical sibling blocks once, with its range and count;
-            ``False`` shows a row for every module call.
+        collapse_repeats: Show a run of three or more consecutive sibling blocks with the same calls, classes,
+            parameter counts and shapes once, named with the range of indices and followed by the number of
+            blocks: ``encoder.layer.0–23  ×24``. ``False`` shows a row for every module call.
 
     Example::
 
@@ -110,7 +107,7 @@ class ShapeLogger(HookCallback):
         batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        due = bool(self._modules) and (not self._logged or changed or self.is_logging_step(trainer))
+        due = bool(self._modules) and (not self._logged or changed or self.due_step(trainer) is not None)
         if due and self.gate.begin(trainer.global_step, due=True):
             self._batch = signature(batch)
             self._recorder.clear()

@@ -7,25 +7,20 @@ import torch
 __all__ = ["dense_gradient", "graph_task_id", "in_backward", "loss_scale"]
 
 
+graph_task_id = torch._C._current_graph_task_id
+"""The id of the backward pass autograd runs on this thread, ``-1`` outside one; prefer :func:`in_backward`."""
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (activation checkpointing re-running
     ``forward``); ``False`` while dynamo traces."""
-    if torch.compiler.is_compiling():
-        return False
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-graph_task_id = torch._C._current_graph_task_id
-"""The id of the backward pass autograd runs on this thread, ``-1`` outside one; prefer :func:`in_backward`."""
+    return not torch.compiler.is_compiling() and graph_task_id() != -1
 
 
 def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
     """The current scale of an enabled ``GradScaler`` as the tensor on device, which gradients carry until the
     scaler unscales them; ``None`` without one or before its first ``scale()`` call."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale: torch.Tensor | None = getattr(scaler, "_scale", None)
-    return scale
+    return getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
 
 
 def dense_gradient(grad: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,7 @@
 Each hook is :class:`Switched`: it runs only while its region's :class:`Switch` is on, so dynamo
 keeps a quiet graph and a logging one whose statistics come out in a :class:`Pending`. During a
 fit a region is called through a fresh entry point (:meth:`Region.enter`), compiled anew with the
-hooks; the last :meth:`Region.leave` restores the original and its cache. Regions are
-``torch.compile(module)`` wrappers and a LightningModule passed to ``fit`` as ``torch.compile(model)``.
+hooks; the last :meth:`Region.leave` restores the original and its cache.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ _STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "pr
 
 
 class Switch:
-    """One flag per compiled region, on while any of its voters records the step (dynamo guards on ``on``)."""
+    """A flag that is on while any of its voters asks for it: one per compiled region, on while some callback
+    records the step (dynamo guards on ``on``), and one for :func:`run_eager`."""
 
     def __init__(self) -> None:
         self.on = False
@@ -54,17 +54,13 @@ class Switched:
         self.switch, self.hook = switch, hook
 
     def __call__(self, *args: Any) -> Any:
-        if self.switch.on and not Observer.asleep:
-            return self.hook(*args)
-        return None
+        return self.hook(*args) if self.switch.on and not Observer.asleep else None
 
 
 class Pending:
-    """States computed inside compiled graphs (:func:`state_row`), waiting for the step to end.
-
-    :meth:`add` has :meth:`StatBatch.add`'s signature. Traced code only appends to ``rows`` and
-    ``fired``, which the region empties after each call (:meth:`settle`), so nothing recompiles.
-    """
+    """States computed inside compiled graphs by :meth:`add` (:meth:`StatBatch.add`'s signature), waiting for the
+    step to end. Traced code only appends to ``rows`` and ``fired``, which the region empties after each call
+    (:meth:`settle`), so nothing recompiles."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
@@ -113,20 +109,15 @@ class _Entry:
 
 
 class Region:
-    """One compiled part of a model and the switch of the hooks inside it.
-
-    ``owner`` is the ``OptimizedModule`` or the compiled LightningModule, ``module`` the module whose
-    code is compiled; both held weakly. From the first :meth:`enter` to the last :meth:`leave` the
-    region is called through a fresh entry point.
-    """
+    """One compiled part of a model and the switch of the hooks inside it: ``owner`` is the ``OptimizedModule`` or
+    the compiled LightningModule, ``module`` the module whose code is compiled; both held weakly."""
 
     def __init__(self, owner: nn.Module, module: nn.Module) -> None:
         self._owner = weakref.ref(owner)
         self._module = weakref.ref(module)
         self.switch = Switch()
         self.users = 0
-        self.pendings: list[Pending] = []
-        """Where the hooks inside the region leave their states; settled after each call."""
+        self.pendings: list[Pending] = []  # see settles()
         self._saved: dict[str, Any] = {}
         self._members = {id(m) for m in module.modules()}
 
@@ -153,7 +144,7 @@ class Region:
             original = ctx.get(f"original_{method}")
             if original is not None and method in owner.__dict__:
                 self._saved[method] = owner.__dict__[method]
-                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh_method(original)), self.pendings))
+                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh(original)), self.pendings))
 
     def leave(self) -> None:
         self.users = max(self.users - 1, 0)
@@ -215,15 +206,8 @@ class Regions:
         self, modules: Sequence[tuple[str, nn.Module]]
     ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module, Region]]]:
         """``(eager, compiled)``: the modules outside any region, and those inside one with their region."""
-        eager: list[tuple[str, nn.Module]] = []
-        compiled: list[tuple[str, nn.Module, Region]] = []
-        for name, module in modules:
-            region = next((r for r in self.entered if module in r), None)
-            if region is None:
-                eager.append((name, module))
-            else:
-                compiled.append((name, module, region))
-        return eager, compiled
+        found = [(name, module, next((r for r in self.entered if module in r), None)) for name, module in modules]
+        return [(n, m) for n, m, r in found if r is None], [(n, m, r) for n, m, r in found if r is not None]
 
     def vote(self, voter: object, on: bool) -> None:
         for region in self.entered:
@@ -237,14 +221,11 @@ def _fresh_call(module: nn.Module) -> types.FunctionType:
     return _fresh(compiled_region)
 
 
-def _fresh_method(method: Any) -> Any:
-    func = method.__func__ if isinstance(method, types.MethodType) else method
-    fresh = _fresh(func)
-    return types.MethodType(fresh, method.__self__) if isinstance(method, types.MethodType) else fresh
-
-
-def _fresh(func: Any) -> types.FunctionType:
-    """``func`` with a code object of its own: a cache of compiled code that nothing else shares."""
+def _fresh(func: Any) -> Any:
+    """``func`` (a function, or a method bound again) with a code object of its own: a cache of compiled code that
+    nothing else shares."""
+    if isinstance(func, types.MethodType):
+        return types.MethodType(_fresh(func.__func__), func.__self__)
     code = func.__code__.replace()
     fresh = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     fresh.__kwdefaults__ = func.__kwdefaults__
@@ -252,21 +233,18 @@ def _fresh(func: Any) -> types.FunctionType:
     return fresh
 
 
-_EAGER_VOTERS: set[int] = set()
+_EAGER = Switch()
 _EAGER_STANCE: list[Any] = []
-"""The ``set_stance`` object in force while some voter runs compiled code eagerly (at most one)."""
+"""The ``set_stance`` object in force while :data:`_EAGER` is on (at most one)."""
 
 
 def run_eager(voter: object, on: bool) -> None:
     """While any voter asks for it, every compiled function runs eagerly (``torch.compiler.set_stance("force_eager")``);
     the stance in force before the first vote comes back with the last."""
-    if on:
-        _EAGER_VOTERS.add(id(voter))
-    else:
-        _EAGER_VOTERS.discard(id(voter))
-    if _EAGER_VOTERS and not _EAGER_STANCE:
+    _EAGER.vote(voter, on)
+    if _EAGER.on and not _EAGER_STANCE:
         _EAGER_STANCE.append(torch.compiler.set_stance("force_eager"))
-    elif not _EAGER_VOTERS and _EAGER_STANCE:
+    elif not _EAGER.on and _EAGER_STANCE:
         _EAGER_STANCE.pop().__exit__(None, None, None)
 
 

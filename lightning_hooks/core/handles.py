@@ -14,9 +14,7 @@ __all__ = ["HookHandles", "Observer", "made_once", "observers_asleep"]
 
 
 class HookHandles:
-    """Owns hook handles so that one call removes all of them.
-
-    ``remove()`` is idempotent and leaves the owner empty; as a context manager it removes everything on exit.
+    """Owns hook handles so that one call (:meth:`remove`, or leaving a ``with`` block) removes all of them.
 
     Example::
 
@@ -40,10 +38,7 @@ class HookHandles:
     def add_forward_hooks(
         self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], always_call: bool = False
     ) -> None:
-        """Register each ``(module, hook)`` with ``module.register_forward_hook(hook, always_call=...)``.
-
-        Each hook is an :class:`Observer`: it does not run inside :func:`observers_asleep`.
-        """
+        """``module.register_forward_hook(hook, always_call=...)`` for each pair, the hook as an :class:`Observer`."""
         for module, hook in hooks:
             self.add(module.register_forward_hook(Observer(hook), always_call=always_call))
 
@@ -87,9 +82,7 @@ class Observer:
         self.hook = hook
 
     def __call__(self, *args: Any) -> Any:
-        if Observer.asleep:
-            return None
-        return self.hook(*args)
+        return None if Observer.asleep else self.hook(*args)
 
 
 @contextmanager

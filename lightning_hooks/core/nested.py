@@ -1,13 +1,10 @@
-"""Shapes and named tensors of nested module inputs and outputs.
-
-Structure is walked with ``torch.utils._pytree``, and dataclasses and mappings it treats as opaque
-are opened too. Nothing here raises on an unknown type: it is shown by its type name.
-"""
+"""Shapes and named tensors of nested module inputs and outputs, walked with ``torch.utils._pytree`` (dataclasses and
+mappings it treats as opaque opened too); nothing here raises on an unknown type: it is shown by its type name."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +26,6 @@ def _key(entry: Any) -> str:
 
 
 def _opaque_container(obj: Any) -> bool:
-    """Containers pytree does not open by itself but we do."""
     return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
         isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES
     )
@@ -49,29 +45,27 @@ def named_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
         >>> [(p, type(v).__name__) for p, v in named_leaves((torch.zeros(2), {"h": None}))]
         [('0', 'Tensor'), ('1.h', 'NoneType')]
     """
-    out: list[tuple[str, Any]] = []
-    _collect(obj, prefix, out, 0)
-    return out
+    return list(_leaves(obj, prefix, 0))
 
 
-def _collect(obj: Any, prefix: str, out: list[tuple[str, Any]], level: int) -> None:
+def _leaves(obj: Any, prefix: str, level: int) -> Iterator[tuple[str, Any]]:
     try:
         flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=_opaque_container)
     except Exception:  # a broken flatten function registered by someone else: show the object whole
-        out.append((prefix, obj))
+        yield prefix, obj
         return
     for path, leaf in flat:
         name = ".".join([prefix, *(_key(k) for k in path)] if prefix else [_key(k) for k in path])
         if level >= _MAX_DEPTH or not _opaque_container(leaf):
-            out.append((name, leaf))
+            yield name, leaf
             continue
         try:
             children = _children(leaf)
         except Exception:  # a dataclass or mapping whose fields cannot be read
-            out.append((name, leaf))
+            yield name, leaf
             continue
         for key, child in children.items():
-            _collect(child, f"{name}.{key}" if name else key, out, level + 1)
+            yield from _leaves(child, f"{name}.{key}" if name else key, level + 1)
 
 
 def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -115,11 +109,7 @@ def leaf_shapes(obj: Any) -> tuple[torch.Size, ...]:
 
 
 def call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What a module was called with, in the form a table shows best.
-
-    A single positional argument is shown as itself; otherwise positional arguments are keyed by
-    position and keyword arguments by name.
-    """
+    """What a module was called with, in the form a table shows best: a lone positional argument as itself."""
     return args[0] if len(args) == 1 and not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
 
 

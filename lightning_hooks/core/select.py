@@ -1,8 +1,4 @@
-"""Module selection shared by every callback: ``include``, ``exclude``, ``types``, ``max_depth``.
-
-Names are qualified names relative to the model (``""`` is the model itself), with the wrappers of
-``torch.compile``, FSDP and activation checkpointing looked through; ``torchmetrics`` metrics are never selected.
-"""
+"""Module selection shared by every callback: ``include``, ``exclude``, ``types``, ``max_depth``."""
 
 from __future__ import annotations
 
@@ -23,9 +19,6 @@ __all__ = [
     "type_label",
 ]
 
-ROOT_LABEL = "root"
-"""How the model itself (qualified name ``""``) is shown in tables and tags."""
-
 _COMPILE_WRAPPER = "_orig_mod"
 _WRAPPERS = (_COMPILE_WRAPPER, "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 """The attribute under which each wrapper (torch.compile, FSDP1, activation checkpointing) keeps the module it wraps."""
@@ -42,8 +35,8 @@ def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 def label(name: str) -> str:
-    """The name a module is shown under: its qualified name, or ``root`` for the model itself."""
-    return name or ROOT_LABEL
+    """The name a module is shown under in tables and tags: its qualified name, or ``root`` for the model itself."""
+    return name or "root"
 
 
 def output_label(module: str, path: str) -> str:
@@ -172,13 +165,14 @@ def depth(name: str) -> int:
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` with metrics left out and each wrapper (``torch.compile``, FSDP1, activation
-    checkpointing) replaced by the module it wraps, under the wrapper's name."""
+    """``model.named_modules()`` under qualified names, with each wrapper (``torch.compile``, FSDP1, activation
+    checkpointing) replaced by the module it wraps, under the wrapper's name, and ``torchmetrics`` metrics left
+    out: they are modules for device placement only, not part of the model."""
     metrics: list[str] = []
     for name, module in model.named_modules():
         if any(name == m or name.startswith(m + ".") for m in metrics):
             continue
-        if _is_metric(module):
+        if any(cls.__module__.split(".")[0] == "torchmetrics" for cls in type(module).__mro__):
             metrics.append(name)
         elif not any(isinstance(getattr(module, attr, None), nn.Module) for attr in _WRAPPERS):
             yield unwrapped(name), module
@@ -189,19 +183,12 @@ def is_compile_wrapper(module: nn.Module) -> bool:
     return isinstance(getattr(module, _COMPILE_WRAPPER, None), nn.Module)
 
 
-def _is_metric(module: nn.Module) -> bool:
-    """torchmetrics metrics are modules for device placement only; they are not part of the model."""
-    return any(cls.__module__.split(".")[0] == "torchmetrics" for cls in type(module).__mro__)
-
-
 def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:
     """``(qualified name, parameter)`` for the parameters owned by ``modules`` that require grad,
     each shared parameter once, under its first name."""
-    seen: set[int] = set()
-    found: list[tuple[str, nn.Parameter]] = []
+    found: dict[int, tuple[str, nn.Parameter]] = {}
     for name, module in modules:
         for pname, param in module.named_parameters(recurse=False):
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                found.append((f"{name}.{pname}" if name else pname, param))
-    return found
+            if param.requires_grad:
+                found.setdefault(id(param), (f"{name}.{pname}" if name else pname, param))
+    return list(found.values())

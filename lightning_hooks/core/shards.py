@@ -1,7 +1,4 @@
-"""Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters) seen shard by shard (pure torch).
-
-Statistics are pooled over processes, never gathered; a replicated shard counts only at mesh coordinate 0.
-"""
+"""Sharded tensors (``DTensor``, as FSDP2's ``fully_shard`` makes parameters) seen shard by shard (pure torch)."""
 
 from __future__ import annotations
 
@@ -20,17 +17,14 @@ def is_sharded(t: object) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: the local shard of a ``DTensor`` (its storage: in-place
-    changes reach the ``DTensor``), ``t`` itself otherwise."""
-    if not is_sharded(t):
-        return t
-    shard: torch.Tensor = t._local_tensor  # type: ignore[attr-defined]  # to_local() would record an autograd node
-    return shard
+    """The part of ``t`` this process holds: the local shard of a ``DTensor`` (its storage, so that in-place changes
+    reach the ``DTensor``; ``to_local()`` would record an autograd node), ``t`` itself otherwise."""
+    return t._local_tensor if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
 def counted_part(t: torch.Tensor) -> torch.Tensor:
-    """What this process adds to a statistic of ``t`` pooled over processes: its local shard, or an
-    empty tensor where another process holds the same replica (``t`` itself when not sharded)."""
+    """What this process adds to a statistic of ``t`` pooled over processes (never gathered): its local shard, or
+    an empty tensor off mesh coordinate 0 of a replicated dimension (``t`` itself when not sharded)."""
     if not is_sharded(t):
         return t
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]

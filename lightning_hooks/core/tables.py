@@ -36,10 +36,6 @@ class Table:
     rows: tuple[tuple[Cell, ...], ...]
     caption: str = ""
 
-    @classmethod
-    def of(cls, columns: Sequence[str], rows: Sequence[Sequence[Cell]], caption: str = "") -> Table:
-        return cls(tuple(columns), tuple(tuple(r) for r in rows), caption)
-
     def markdown(self) -> str:
         """The caption in bold, then the table."""
         table = markdown_table(self.columns, self.rows)

@@ -1,7 +1,5 @@
-"""A non-finite finding as data, and its rendering as a report (pure torch-free Python).
-
-:mod:`lightning_hooks.recorders.finite` detects; this module says what was found.
-"""
+"""A non-finite finding as data, and its rendering as a report (pure Python; the recorder in
+:mod:`lightning_hooks.recorders.finite` detects)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Replaying a training step that went non-finite, with a :class:`NonFiniteRecorder` attached (pure torch).
-
-A step keeps, per micro-batch, a :class:`MicroBatch`: the batch object (a reference, never a copy),
-its index, and the generator and train/eval states it started with; :func:`replay` runs them again.
-"""
+"""Replaying a training step that went non-finite, with a :class:`NonFiniteRecorder` attached (pure torch)."""
 
 from __future__ import annotations
 
@@ -51,7 +47,7 @@ class RngState:
 
 @dataclass
 class MicroBatch:
-    """What replaying one micro-batch of a step needs, and the loss it made (detached)."""
+    """What replaying one micro-batch of a step needs (the batch by reference, never a copy), and its detached loss."""
 
     batch: Any
     batch_idx: int
@@ -111,7 +107,6 @@ def replay(
                     if backward and loss.requires_grad and recorder.keep:
                         torch.autograd.grad(loss.float().sum(), recorder.keep, allow_unused=True)
                 recorder.keep = None  # the activations go with the micro-batch
-            recorder.active = False
         return recorder.find()[0]
     finally:
         recorder.active, recorder.keep = False, None

@@ -1,7 +1,5 @@
-"""How health findings read: the warning, the ``health/findings`` table, the end-of-fit summary (pure Python).
-
-:mod:`lightning_hooks.diagnose.health` finds; this module says what was found.
-"""
+"""How health findings (made in :mod:`lightning_hooks.diagnose.health`) read: the warning, the ``health/findings``
+table, the end-of-fit summary (pure Python)."""
 
 from __future__ import annotations
 

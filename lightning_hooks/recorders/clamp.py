@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -27,10 +28,8 @@ class ClampCount:
         self.active, self.clamped, self.seen = False, [], 0
 
     def fraction(self, pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
-        """The clamped share of the elements seen, ``None`` if none were; resets the count.
-
-        ``pool`` sums a tensor over processes when each saw its own shard; every process must then call this.
-        """
+        """The clamped share of the elements seen (``None`` if none were), pooled by ``pool``, a sum over processes
+        that each saw their own shard (every process must call this then); resets the count."""
         clamped, seen = self.clamped, self.seen
         self.reset()
         if pool is None:
@@ -50,11 +49,8 @@ def count_above(t: torch.Tensor, bound: float) -> torch.Tensor:
 def clamp_true_gradient(
     grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount | None = None
 ) -> torch.Tensor:
-    """``grad`` clamped to ``[-value, value]`` in true units, ``grad`` carrying the loss ``scale`` (or none).
-
-    With a scale the bound is ``value * scale`` and non-finite values are left as they are, so that the
-    ``GradScaler`` still skips the step. A sparse (COO) gradient has its stored values clamped.
-    """
+    """``grad``, carrying the loss ``scale`` (or none), clamped to ``[-value, value]`` in true units; under a scale its
+    non-finite values stay, for the ``GradScaler`` to skip the step. A sparse (COO) gradient's values are clamped."""
     if grad.layout == torch.sparse_coo:  # an embedding's with `sparse=True`
         grad = grad.coalesce()
         clamped = clamp_true_gradient(grad.values(), value, scale, count)
@@ -75,10 +71,8 @@ def clamp_true_gradient(
 
 
 class GradClamper:
-    """Clamp parameter gradients, in backward (:meth:`attach`) or once accumulated (:meth:`clamp_accumulated`).
-
-    In backward a tensor hook on each parameter clamps the gradient autograd is about to accumulate,
-    bounded by ``value`` times the scale of ``scaler`` when one is scaling the loss. ``count`` counts
+    """Clamp parameter gradients in backward (:meth:`attach`: a tensor hook on each parameter, the bound times the
+    scale of ``scaler`` if one scales the loss) or once accumulated (:meth:`clamp_accumulated`); ``count`` counts
     clamped elements while active.
 
     Example::
@@ -102,12 +96,8 @@ class GradClamper:
             handles.add(param.register_hook(_ClampHook(self)))
 
     def attach_backward(self, loss: torch.Tensor, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
-        """Clamp the gradients that the coming backward pass of ``loss`` gives ``params``, in that pass only.
-
-        When no ``.grad`` of ``params`` is set yet, every ``.grad`` is clamped in place as that pass
-        ends, before it returns; otherwise each parameter gets its hook (:meth:`attach`). Without a
-        scaler only. Remove ``handles`` once the pass is over.
-        """
+        """Clamp what the coming backward pass of ``loss`` gives ``params`` (without a scaler): every ``.grad`` in place
+        as the pass ends if none is set yet, else through :meth:`attach`'s hooks. Remove ``handles`` after the pass."""
         if not loss.requires_grad:
             return
         if any(param.grad is not None for param in params):
@@ -126,12 +116,9 @@ class GradClamper:
         handles: HookHandles,
         step_handles: HookHandles,
     ) -> None:
-        """Clamp, in backward, the unsharded gradient of those sharded ``params`` (FSDP2) that ``modules`` own.
-
-        A forward pre-hook on each module (in ``handles``) puts the clamp on the unsharded parameters,
-        before FSDP2 reduce-scatters their gradients; those tensor hooks go into ``step_handles``:
-        remove them and clear :attr:`unsharded` at the end of each step.
-        """
+        """Clamp, in backward, the unsharded gradients of those sharded ``params`` (FSDP2) that ``modules`` own, before
+        FSDP2 reduce-scatters them: a forward pre-hook on each module (in ``handles``) hooks its unsharded parameters
+        into ``step_handles``; remove those and clear :attr:`unsharded` at the end of each step."""
         wanted = {id(p) for p in params}
         for _, module in modules:
             names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
@@ -139,10 +126,8 @@ class GradClamper:
                 handles.add(module.register_forward_pre_hook(_ClampUnsharded(self, names, step_handles)))
 
     def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (gradients unscaled by now).
-
-        A sharded gradient is clamped shard by shard; the count is then this process's, to pool.
-        """
+        """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (unscaled by now); a sharded one
+        shard by shard, the count then being this process's, to pool."""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._clamp_in_place([local(p.grad) for p in params if p.grad is not None and id(p) in in_optimizer])
 
@@ -186,10 +171,7 @@ class _AtBackwardEnd:
         self.clamper, self.params = clamper, params
 
     def __call__(self, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.clamp)
-
-    def clamp(self) -> None:
-        self.clamper.clamp_grads(self.params)
+        torch.autograd.Variable._execution_engine.queue_callback(partial(self.clamper.clamp_grads, self.params))
 
 
 class _ClampHook:

@@ -1,10 +1,4 @@
-"""Finding the first module that made a NaN or an Inf, forward or backward (pure torch).
-
-A :class:`NonFiniteRecorder` hooks the modules it is given and reduces every floating-point tensor a
-call receives or returns (and, with ``check_backward``, its gradient) to its range and count of
-non-finite values on device; :meth:`NonFiniteRecorder.find` reads them all at once and names the
-first module that made non-finite values from finite ones.
-"""
+"""Finding the first module that made a NaN or an Inf, forward or backward (pure torch)."""
 
 from __future__ import annotations
 
@@ -45,10 +39,8 @@ class Readings:
         return len(self._items)
 
     def take(self, t: torch.Tensor) -> int | None:
-        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` if ``t`` is not measured.
-
-        Dense floating-point tensors with values are measured; anything else counts as finite.
-        """
+        """Queue a reading of ``t``; its index in :meth:`read`, or ``None`` (counted as finite) if ``t`` is not
+        a dense floating-point tensor with values."""
         if not (t.is_floating_point() and t.layout == torch.strided and t.numel()):
             return None
         x = t.detach()
@@ -102,8 +94,9 @@ def _worst(slots: Sequence[tuple[str, int]], readings: Sequence[Reading]) -> int
 class NonFiniteRecorder:
     """Record, per module call and per gradient, whether the values were finite; find the first that was not.
 
-    Nothing is recorded while ``active`` is false. :meth:`find` reads everything recorded since
-    the last :meth:`clear`. The recorder keeps numbers and weak references only, never a tensor.
+    While ``active``, every floating-point tensor a hooked call receives or returns (and its gradient) is
+    reduced on device to its range and count of non-finite values; :meth:`find` reads everything recorded
+    since the last :meth:`clear` with one transfer. Numbers and weak references are kept, never a tensor.
 
     Args:
         check_backward: Also watch gradients with respect to module inputs and outputs.
@@ -152,14 +145,6 @@ class NonFiniteRecorder:
         if (slot := self.readings.take(loss)) is not None:
             self.losses.append(slot)
 
-    def _measure(self, t: torch.Tensor) -> _Seen:
-        """The tensor's reading, taken once while the tensor stays the same object at the same version."""
-        seen = self._seen.get(id(t))
-        if seen is not None and seen.version == t._version and seen.ref() is t:
-            return seen
-        seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
-        return seen
-
     def _watch(self, t: torch.Tensor, seen: _Seen, call: int, path: str, output: bool) -> None:
         if seen.group is None:
             seen.group = len(self.groups)
@@ -173,7 +158,9 @@ class NonFiniteRecorder:
         slots = self.calls[call].outputs if output else self.calls[call].inputs
         grads = self.check_backward and torch.is_grad_enabled()
         for path, t in tensors:
-            seen = self._measure(t)
+            seen = self._seen.get(id(t))  # read once while it stays the same object at the same version
+            if seen is None or seen.version != t._version or seen.ref() is not t:
+                seen = self._seen[id(t)] = _Seen(weakref.ref(t), t._version, self.readings.take(t))
             if seen.slot is not None:
                 slots.append((path, seen.slot))
             if grads and t.requires_grad:
@@ -336,10 +323,8 @@ def find_nonfinite(
 
 
 def grad_readings(named: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """One 0-d tensor per gradient, finite whenever the gradient is: its 2-norm.
-
-    Finite values whose squares overflow make it non-finite too; :func:`parameter_readings` sorts them out.
-    """
+    """Per gradient, its 2-norm as a 0-d tensor: not finite when the gradient is not, nor when the squares of
+    finite values overflow (:func:`parameter_readings` tells them apart)."""
     grads = [g for _, g in named]
     return list(torch._foreach_norm(grads, 2)) if grads else []
 

@@ -132,16 +132,13 @@ def _shape_of(rows: list[ShapeRow], prefix: str) -> tuple[tuple[str, str, int, S
 
 @dataclass(frozen=True)
 class _Run:
-    """Consecutive identical sibling blocks: ``parent.first`` … ``parent.(first + count - 1)``."""
+    """``count`` consecutive identical sibling blocks, from the one named ``first`` to the one numbered ``last``."""
 
-    parent: str
-    first: int
+    first: str
+    last: int
     count: int
     block_end: int  # where the first block's calls end
     end: int  # where the last block's calls end
-
-    def name(self, index: int) -> str:
-        return f"{self.parent}.{index}" if self.parent else str(index)
 
 
 def _run(rows: list[ShapeRow], start: int) -> _Run | None:
@@ -161,7 +158,7 @@ def _run(rows: list[ShapeRow], start: int) -> _Run | None:
                 break
             count, end = count + 1, next_end
         if count >= MIN_REPEATS:
-            return _Run(parent, first, count, block_end, end)
+            return _Run(prefix, first + count - 1, count, block_end, end)
     return None
 
 
@@ -190,9 +187,9 @@ def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
             shown.append((label(rows[i].name), rows[i], 1))
             i += 1
             continue
-        first, head = run.name(run.first), run.name(run.first) + f"\u2013{run.first + run.count - 1}"
+        head = f"{run.first}\u2013{run.last}"
         block = enumerate(collapse_repeats(rows[i : run.block_end]))
-        shown += [(head + name[len(first) :], row, run.count if j == 0 else n) for j, (name, row, n) in block]
+        shown += [(head + name[len(run.first) :], row, run.count if j == 0 else n) for j, (name, row, n) in block]
         i = run.end
     return shown
 

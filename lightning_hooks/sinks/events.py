@@ -1,8 +1,6 @@
-"""TensorBoard event records checksummed in C: the bytes TensorBoard writes, with ``google-crc32c``'s CRC-32C.
-
-The one place that reaches into TensorBoard's writer; it changes nothing when that writer is not
-built as expected (``tests/unit/test_events.py`` fails loudly then).
-"""
+"""TensorBoard event records checksummed in C: the bytes TensorBoard writes, with ``google-crc32c``'s CRC-32C; the
+one place that reaches into TensorBoard's writer, changing nothing when that writer is not built as expected
+(``tests/unit/test_events.py`` fails loudly then)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra, imported on first use).
-
-The series come from host-side states; the renderers return an ``H x W x 3`` ``uint8`` image drawn
-on the Agg canvas (no pyplot, no global state).
-"""
+"""Figures of a logging step's per-layer statistics, drawn with matplotlib (an optional extra, imported on first use)
+on the Agg canvas: no pyplot, no global state."""
 
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ __all__ = [
 ]
 
 INSTALL_HINT = "pip install 'lightning-hooks[plots]'"
-"""How to install what the figures need."""
 
 DEAD = 0.9
 """Zero fraction from which a layer's bar is drawn as dead."""
@@ -80,9 +76,7 @@ def render_gradient_flow(
             axes.annotate("NaN/Inf", (i, floor), xytext=(0, 4), **above, **alarm)
         elif peak == 0:
             axes.annotate("0", (i, floor), xytext=(0, 2), **above)
-    _finish(axes, layers, bad, f"Gradient flow · step {step}", "|gradient| (log scale)")
-    axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
-    return _pixels(figure)
+    return _finish(figure, axes, layers, bad, f"Gradient flow · step {step}", "|gradient| (log scale)")
 
 
 def render_zero_fraction(layers: Sequence[str], zero_frac: Sequence[float], step: int) -> NDArray[np.uint8]:
@@ -93,9 +87,7 @@ def render_zero_fraction(layers: Sequence[str], zero_frac: Sequence[float], step
     axes.axhline(DEAD, color=_BAD_COLOR, linestyle="--", linewidth=1, label=f"{DEAD:.0%}: mostly dead")
     axes.set_ylim(0, 1.05)
     axes.yaxis.set_major_formatter("{x:.0%}")
-    _finish(axes, layers, dead, f"Activation zero fraction · step {step}", "share of exact zeros")
-    axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
-    return _pixels(figure)
+    return _finish(figure, axes, layers, dead, f"Activation zero fraction · step {step}", "share of exact zeros")
 
 
 def require() -> None:
@@ -136,7 +128,12 @@ def named_layers(flagged: Sequence[bool], most: int = NAMED_MAX) -> tuple[list[i
     return [i for i, bad in enumerate(flagged) if bad or i % every == 0], every
 
 
-def _finish(axes: Axes, layers: Sequence[str], flagged: Sequence[bool], title: str, ylabel: str) -> None:
+def _finish(
+    figure: Figure, axes: Axes, layers: Sequence[str], flagged: Sequence[bool], title: str, ylabel: str
+) -> NDArray[np.uint8]:
+    """Title, labels, legend and layer names (flagged ones in red); the figure's pixels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     axes.set_title(title, fontsize=11)
     axes.set_ylabel(ylabel)
     axes.set_xlim(-0.6, len(layers) - 0.4)
@@ -148,11 +145,7 @@ def _finish(axes: Axes, layers: Sequence[str], flagged: Sequence[bool], title: s
             tick.set_color(_BAD_COLOR)
     named = "" if every == 1 else f"; every {every}th named, and each flagged one"
     axes.set_xlabel(f"layer (model order{named})")
-
-
-def _pixels(figure: Figure) -> NDArray[np.uint8]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
+    axes.legend(loc="upper right", fontsize=8, framealpha=0.9)
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()

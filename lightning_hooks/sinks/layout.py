@@ -1,9 +1,4 @@
-"""A TensorBoard custom-scalars layout built from the tags the statistics callbacks logged (pure Python).
-
-Each statistic gets a multi-line chart of every layer, grouped into categories; one with more than
-:data:`MAX_LINES` layers is split along the module tree (:func:`chart_groups`). The result is the
-mapping ``torch.utils.tensorboard.summary.custom_scalars`` takes, with anchored, escaped regexes.
-"""
+"""A TensorBoard custom-scalars layout built from the tags the statistics callbacks logged (pure Python)."""
 
 from __future__ import annotations
 
@@ -62,7 +57,8 @@ TOTALS: dict[str, tuple[str, str]] = {"grad_norm_total": (GRADIENTS, "total grad
 
 
 def build_layout(tags: Iterable[str], max_lines: int = MAX_LINES) -> Layout:
-    """The custom-scalars layout for ``tags`` (in model order); tags of no known statistic are ignored.
+    """The mapping ``custom_scalars`` takes for ``tags`` (in model order): per statistic, a chart of every layer,
+    split along the module tree past ``max_lines`` lines (:func:`chart_groups`); other tags are ignored.
 
     Example::
 

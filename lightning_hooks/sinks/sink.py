@@ -11,13 +11,12 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_hooks.core.tables import Cell, Table
+from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, names_showing
 from lightning_hooks.stats.histogram import Histogram
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from numpy.typing import NDArray
-
-from lightning_hooks.sinks.backends import FIGURES, Backend, StepData, backend, names_showing
 
 __all__ = ["Sink", "echo"]
 
@@ -33,10 +32,7 @@ def echo(text: str) -> None:
 class Sink:
     """Sends a callback's host numbers, histograms, figures, text and tables to whatever loggers a Trainer has.
 
-    Each logger gets what it can show, in its own form (README: Loggers); an unknown logger gets
-    scalars and one warning, and a kind that no logger shows one warning. A call sends at once;
-    inside :meth:`gathered` each step is sent as one :meth:`log_step`. Every write happens on global
-    rank zero only.
+    Each logger gets what it can show, in its own form (README: Loggers), from global rank zero only.
     """
 
     def __init__(self, owner: str) -> None:
@@ -126,7 +122,7 @@ class Sink:
     ) -> None:
         """Rows under named columns (one per module call, one per finding): a ``wandb.Table`` for W&B,
         markdown (after ``caption`` in bold) for TensorBoard, and in ``<tag>.md`` for MLflow and CSV."""
-        self._send(trainer, StepData(step, tables={tag: Table.of(columns, rows, caption)}))
+        self._send(trainer, StepData(step, tables={tag: Table(tuple(columns), tuple(map(tuple, rows)), caption)}))
 
     @rank_zero_only
     def flush(self, trainer: pl.Trainer) -> None:
@@ -141,10 +137,8 @@ class Sink:
             self._send(trainer, StepData(step, histograms=hists))
 
     def wants_figures(self, trainer: pl.Trainer, warn: bool = True) -> bool:
-        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures.
-
-        Without one, warns once when ``warn`` (figures that were asked for, not merely on by default).
-        """
+        """Whether :meth:`image` would write anywhere: on rank zero, with a logger that shows figures; without one,
+        warns once when ``warn`` (figures that were asked for, not merely on by default)."""
         if not trainer.is_global_zero:
             return False
         backends = self._backends(trainer)
@@ -161,11 +155,8 @@ class Sink:
 
     @rank_zero_only
     def layout(self, trainer: pl.Trainer, step: int) -> None:
-        """Write, at ``step``, the custom-scalars layout of each TensorBoard run that has tags it did not cover.
-
-        A run's layout covers the tags of every sink that logs to it and replaces any other; inside
-        :meth:`gathered` it is written after the held steps. Other loggers are skipped.
-        """
+        """Write, at ``step``, the custom-scalars layout of each TensorBoard run that has tags it did not cover: one
+        covering the tags of every sink that logs to the run (inside :meth:`gathered`, after the held steps)."""
         if self._held is not None:
             self._held_layout = step
             return

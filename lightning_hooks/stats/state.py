@@ -1,8 +1,4 @@
-"""The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch).
-
-Every statistic is derived from one *state* per key: seven float64 numbers that combine by ``+``
-or, for the largest magnitude, by ``max``.
-"""
+"""The combinable state of a tensor's statistics, and the one reduction that makes it (pure torch)."""
 
 from __future__ import annotations
 
@@ -34,7 +30,7 @@ STATS = ("norm", "mean", "std", "abs_max", "zero_frac", "nonfinite")
 
 
 class State(NamedTuple):
-    """The combinable statistics of one key, on the host. The last field combines by ``max``, the others by ``+``."""
+    """The combinable statistics of one key, on the host: the last field combines by ``max``, the others by ``+``."""
 
     numel: float = 0.0
     sum: float = 0.0
@@ -47,15 +43,11 @@ class State(NamedTuple):
 
 WIDTH = len(State._fields)
 _SUMMED = WIDTH - 1
-"""Fields ``[:_SUMMED]`` of a state combine by ``+``, the last by ``max``."""
 
 
 def reduce_rows(m: torch.Tensor) -> torch.Tensor:
-    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction.
-
-    Values are reduced in float32 (float64 stays float64); the sum of squares is rebuilt in float64
-    from the mean and the spread around it. NaN wins the maximum and counts as non-zero.
-    """
+    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction. Values are
+    reduced in float32 (float64 stays float64); NaN wins the maximum and counts as non-zero."""
     x = m.detach()
     x = x if x.dtype == torch.float64 else x.float()
     k, n = x.shape
@@ -72,7 +64,7 @@ def reduce_rows(m: torch.Tensor) -> torch.Tensor:
     raw = torch.stack([mean, spread, nonzero, n - finite, abs_sum, abs_max], 1).double()
     mean, spread = raw[:, :1], raw[:, 1:2]
     total = mean * n
-    sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean²
+    sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean², rebuilt in float64
     return torch.cat([total.new_full((k, 1), n), total, sum_sq, raw[:, 2:]], 1)
 
 
@@ -80,7 +72,6 @@ def nonfinite_count(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """How many values of the floating-point ``t`` are NaN or Inf (along ``dim``, or in all), on its device.
 
     A value is finite exactly when its magnitude is at most the dtype's largest (NaN compares false).
-    Comparisons written into a float tensor and summed are several times faster than reductions of boolean masks.
 
     Example::
 
@@ -128,10 +119,8 @@ def pool(table: torch.Tensor, index: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def derive_table(states: torch.Tensor, stats: Sequence[str] = STATS) -> torch.Tensor:
-    """The named statistics of each row of a ``(k, WIDTH)`` float64 state table, as a ``(k, len(stats))`` matrix.
-
-    An empty state's row is NaN or 0; callers leave it out.
-    """
+    """The named statistics of each row of a ``(k, WIDTH)`` float64 state table, as a ``(k, len(stats))`` matrix
+    (NaN or 0 for an empty state, which callers leave out)."""
     n, total, squares, nonzero, nonfinite, _, abs_max = states.unbind(1)
     mean = total / n
     finite = torch.isfinite(squares)
