@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["HealthMonitor"]
 
 TABLE_TAG = "health/findings"
-ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite"}
-GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite"}
+ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
+GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
 
 class HealthMonitor(StatsCallback):
@@ -159,6 +159,9 @@ class HealthMonitor(StatsCallback):
         self._grads = ParamGradRecorder(self._batch, update_ratio=judges_learning, weight_norms=True, observe=False)
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._inputs: dict[str, int] = {}  # the floating-point batch tensors of this logging step: path, values
+        self._gradless: bool | None = None
+        self._softmax: frozenset[str] = frozenset()
+        self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._ratio_handles = HookHandles()
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
@@ -210,6 +213,7 @@ class HealthMonitor(StatsCallback):
         self._norm_layers = [self._owner[name] for name, _ in self._params]
         self._numel = {name: p.numel() for name, p in self._params}
         self._layer_of = {id(p): self._owner[name] for name, p in self._params}
+        self._softmax = frozenset(label(name) for name, m in self._leaves if isinstance(m, torch.nn.Softmax))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
@@ -237,6 +241,8 @@ class HealthMonitor(StatsCallback):
         self._read, self._grad_names = set(), []
         self._units.start()
         self._inputs = {}
+        self._gradless = None  # no optimizer stepped yet in this logging step
+        self._lrs = {}
 
     @override
     def on_train_batch_start(
@@ -266,6 +272,10 @@ class HealthMonitor(StatsCallback):
         if self._ring is not None:
             self._ring.norms(self._step_now())
         if self._watch_grads and self._enabled and self.gate.is_open:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if (layer := self._layer_of.get(id(p))) is not None:
+                        self._lrs[layer] = max(self._lrs.get(layer, 0.0), float(group["lr"]))
             if not isinstance(optimizer, torch.optim.SGD):
                 stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
                 self._adaptive.update(layer for layer in stepped if layer is not None)
@@ -280,6 +290,7 @@ class HealthMonitor(StatsCallback):
         """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
+        self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
         if read:
             self._read.update(id(p) for _, p in read)
             values = gradient_norms([dense_gradient(counted_part(p.grad)) for _, p in read])  # type: ignore[arg-type]
@@ -385,6 +396,9 @@ class HealthMonitor(StatsCallback):
             order=[*executed, *(name for name in self._order if name not in set(executed))],
             executed=executed,
             adaptive=frozenset(self._adaptive),
+            softmax=self._softmax,
+            lrs=self._lrs,
+            gradless=bool(self._gradless),
             weight_sizes=sizes,
             inputs={
                 k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"

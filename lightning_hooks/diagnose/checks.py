@@ -34,6 +34,9 @@ MIN_SAMPLES = 8
 """``dead_units`` judges a layer only when each of its units saw at least this many values."""
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
+PEER_GAP = 10.0
+"""``update_ratio`` names a layer above ``update_ratio_high`` only when it moves this many times more than its peers
+(or they all move too much): one small layer of a healthy SGD model may step by 10 %."""
 SETTLED = 10
 """The optimizer step from which a run counts as past its first steps (references for growth are taken there)."""
 
@@ -87,6 +90,12 @@ class Snapshot:
     """The RMS of each floating-point tensor of the batch, by its path in the batch (``"0"``, ``"1"``, a key)."""
     saturated: dict[str, float] = field(default_factory=dict)
     """Per sigmoid, tanh or softmax layer, the share of its outputs within 0.1 % of their bounds."""
+    softmax: frozenset[str] = frozenset()
+    """The ``nn.Softmax`` layers."""
+    lrs: dict[str, float] = field(default_factory=dict)
+    """Per layer, the learning rate of its parameter group."""
+    gradless: bool = False
+    """Whether the optimizer stepped with no gradient on any watched parameter (a loss cut from the graph)."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +227,9 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
 
 
 def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
-    """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``.
+    """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
+    :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
+    parameter group's learning rate is :data:`PEER_GAP` times the peers'.
 
     Step 0, layers in ``skip`` (started at zero by design: their ratio says nothing) and layers under an
     adaptive optimizer before step :data:`SETTLED` (its first steps move every weight by the learning rate) are
@@ -226,14 +237,23 @@ def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = froz
     """
     if snap.step == 0:
         return []
+    judged = {
+        name: ratio
+        for name in snap.order
+        if (ratio := snap.ratios.get(name)) is not None
+        and math.isfinite(ratio)
+        and name not in skip
+        and snap.weights.get(name, 0.0) >= 1e-6
+        and not (name in snap.adaptive and snap.step < SETTLED)
+    }
+    peers = peer_medians(judged) if judged else {}
+    lrs = {name: lr for name, lr in snap.lrs.items() if name in judged}
+    lr_peers = peer_medians(lrs) if lrs else {}
     found = []
-    for name in snap.order:
-        ratio = snap.ratios.get(name)
-        if ratio is None or not math.isfinite(ratio) or name in skip or not snap.weights.get(name, 0.0) >= 1e-6:
-            continue
-        if name in snap.adaptive and snap.step < SETTLED:
-            continue
-        if ratio > limits.update_ratio_high:
+    for name, ratio in judged.items():
+        apart = ratio >= PEER_GAP * peers[name] or peers[name] > limits.update_ratio_high
+        faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
+        if ratio > limits.update_ratio_high and (apart or faster):
             threshold = limits.update_ratio_high
             said = (
                 f"by {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): the learning rate is too high for it; "
@@ -323,23 +343,33 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Every parameter gradient exactly zero: nothing learns. Named after the output layer, where the gradient
     should have entered."""
     grads = [s for s in snap.grads.values() if s.numel]
-    if not grads or any(s.abs_sum != 0 or s.nonfinite for s in grads):
+    if not snap.gradless and (not grads or any(s.abs_sum != 0 or s.nonfinite for s in grads)):
         return []
     layers = tuple(label(n) for n in snap.executed[-1:]) or ("root",)
     said = (
-        f"every parameter gradient is exactly zero at step {snap.step}: nothing learns; look for an activation over "
-        f"one unit (a softmax over a single output is always 1), a detached tensor (`.detach()`, `.item()`, "
-        f"`torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
+        f"every parameter gradient is exactly zero or missing at step {snap.step}: nothing learns; look for an "
+        f"activation over one unit (a softmax over a single output is always 1), a detached tensor (`.detach()`, "
+        f"`.item()`, `torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
     )
     return [Evidence("no_learning", layers, 0.0, 0.0, said)]
 
 
 def saturation(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds."""
+    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and a
+    softmax that is the model's last layer (a loss such as ``cross_entropy`` takes logits and squashes them again,
+    so the gradient through this softmax saturates)."""
     found = []
+    last = snap.executed[-1] if snap.executed else None
+    if last in snap.softmax and last in snap.saturated:  # over one unit it is no_learning's
+        said = (
+            f"the model's output comes from the softmax `{label(last)}`: `cross_entropy` applies its own softmax, "
+            f"so the gradient through this one saturates and learning crawls; give `cross_entropy` the logits (or "
+            f"end with `nn.LogSoftmax` and use `nll_loss`)."
+        )
+        found.append(Evidence("saturation", (label(last),), snap.saturated.get(last, 0.0), SATURATED, said))
     for name in snap.order:
         share = snap.saturated.get(name, 0.0)
-        if share >= SATURATED:
+        if share >= SATURATED and name != last:
             said = (
                 f"{share:.0%} of the outputs of `{label(name)}` are within 0.1 % of their bounds: saturated units "
                 f"pass almost no gradient back; normalise the inputs, use a smaller initialisation, or give "
