@@ -43,19 +43,14 @@ class HealthMonitor(StatsCallback):
     the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
     ranks, and runs its checks (every rank computes them, rank zero writes):
 
-    * ``dead_units``: a layer with at least ``dead_fraction`` of its output units exactly zero for
-      every sample of a window of checks (at once when every unit is).
-    * ``vanishing_gradients`` / ``exploding_gradients``: a layer that learns ``gradient_spread`` times
-      less / more than its peers, judged by its update ratio (and, under SGD, its mean ``|gradient|``);
-      or the total gradient norm rising steadily ``norm_growth``-fold.
-    * ``update_ratio``: a layer's ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``
-      (not on step 0, nor for weights that start at zero by design).
-    * ``activation_growth``: a layer's output RMS ``activation_growth`` times that of every layer that
-      ran before it, or of its own once the run settled while the loss did not fall.
-    * ``nonfinite``: NaN/Inf in a layer's output (the first to run), else in a parameter gradient, or
-      in a step's loss; with a :class:`NonFiniteGuard` in the Trainer, its finding too.
-    * ``loss_spike``: a step's loss ``spike_threshold`` robust deviations (``1.4826 × MAD``) above
-      the median of the previous 100 steps, naming the layers whose gradient norm jumped most.
+    * ``dead_units``: ``dead_fraction`` of a layer's units zero for every sample of a window of checks.
+    * ``vanishing_gradients`` / ``exploding_gradients``: a layer learning ``gradient_spread`` times less /
+      more than its peers (update ratio; under SGD also mean ``|gradient|``), or the gradient norm rising
+      steadily ``norm_growth``-fold.
+    * ``update_ratio``: ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``.
+    * ``activation_growth``: an output RMS ``activation_growth`` times the layers' before it, or its own.
+    * ``nonfinite``: NaN/Inf in an output, a gradient or the loss (and what a :class:`NonFiniteGuard` found).
+    * ``loss_spike``: a loss ``spike_threshold`` robust deviations above the median of the last 100 steps.
     * ``saturation``, ``input_scale``, ``no_learning``: saturated sigmoid/tanh/softmax outputs, batch
       tensors far from unit scale, every gradient exactly zero.
 

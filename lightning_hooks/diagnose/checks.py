@@ -78,24 +78,15 @@ class Snapshot:
     norms: list[list[float]] = field(default_factory=list)
     norm_layers: Sequence[str] = ()
     leaves_with_params: frozenset[str] = frozenset()
-    guard: tuple[str, int, str] | None = None
-    """What a ``NonFiniteGuard`` in the same Trainer found last: ``(layer, step, first line of its report)``."""
-    executed: Sequence[str] = ()
-    """The watched leaves in the order they first ran in this step (``order`` puts them first)."""
-    adaptive: frozenset[str] = frozenset()
-    """Layers whose parameters an adaptive optimizer (Adam and the like, anything but SGD) updates."""
-    weight_sizes: dict[str, int] = field(default_factory=dict)
-    """How many parameter values each layer of ``weights`` has."""
-    inputs: dict[str, float] = field(default_factory=dict)
-    """The RMS of each floating-point tensor of the batch, by its path in the batch (``"0"``, ``"1"``, a key)."""
-    saturated: dict[str, float] = field(default_factory=dict)
-    """Per sigmoid, tanh or softmax layer, the share of its outputs within 0.1 % of their bounds."""
-    softmax: frozenset[str] = frozenset()
-    """The ``nn.Softmax`` layers."""
-    lrs: dict[str, float] = field(default_factory=dict)
-    """Per layer, the learning rate of its parameter group."""
-    gradless: bool = False
-    """Whether the optimizer stepped with no gradient on any watched parameter (a loss cut from the graph)."""
+    guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
+    executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
+    adaptive: frozenset[str] = frozenset()  # layers an adaptive optimizer (anything but SGD) updates
+    weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
+    inputs: dict[str, float] = field(default_factory=dict)  # RMS of each floating batch tensor, by its path
+    saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
+    softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
+    lrs: dict[str, float] = field(default_factory=dict)  # per layer, its parameter group's learning rate
+    gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
 
 
 @dataclass(frozen=True)
@@ -205,24 +196,21 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
     high = [n for n in means if off(n, False)]
     first_low = min((position[n] for n in low), default=math.inf)
     first_high = min((position[n] for n in high), default=math.inf)
+    vanishing = (
+        f" and its weights change {spread:.0e} times less than its peers': they barely learn; try residual "
+        f"connections, normalization layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation."
+    )
+    exploding = "; try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower learning rate or warm-up."
     found = []
-    for name in sorted((n for n in low if position[n] < first_high), key=position.__getitem__):
-        ratio = means[name] / median
-        said = (
-            f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-            f"{means[name]:.2e} per element) and its weights change {spread:.0e} times less than its peers': they "
-            f"barely learn; try residual connections, normalization layers, ReLU/GELU instead of sigmoid or tanh, or "
-            f"a better initialisation."
-        )
-        found.append(Evidence("vanishing_gradients", (label(name),), ratio, 1 / spread, said))
-    for name in sorted((n for n in high if position[n] < first_low), key=position.__getitem__):
-        ratio = means[name] / median
-        said = (
-            f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-            f"{means[name]:.2e} per element); try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower "
-            f"learning rate or warm-up."
-        )
-        found.append(Evidence("exploding_gradients", (label(name),), ratio, spread, said))
+    for check, names, before, fix, line in (
+        ("vanishing_gradients", low, first_high, vanishing, 1 / spread),
+        ("exploding_gradients", high, first_low, exploding, spread),
+    ):
+        for name in sorted((n for n in names if position[n] < before), key=position.__getitem__):
+            ratio = means[name] / median
+            said = f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
+            said += f"{means[name]:.2e}){fix}"
+            found.append(Evidence(check, (label(name),), ratio, line, said))
     return found
 
 

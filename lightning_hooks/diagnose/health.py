@@ -221,17 +221,14 @@ class HealthTracker:
             kept = self._silent.setdefault(name, deque(maxlen=RISE_MAX))
             if kept and len(kept[-1][1]) != len(flags):
                 kept.clear()
-            state = snap.activations[name]
-            kept.append((snap.step, flags, state.numel / len(flags)))
-            seen, steps = 0.0, 0
-            for *_, samples in reversed(kept):
-                seen, steps = seen + samples, steps + 1
-                if seen >= DEAD_SAMPLES and steps >= self.limits.patience:
-                    break
-            if all(flags) or (seen >= DEAD_SAMPLES and steps >= self.limits.patience):
-                steps = 1 if all(flags) else steps
-                window[name] = [all(column) for column in zip(*(f for _, f, _ in list(kept)[-steps:]), strict=True)]
-                starts[label(name)] = kept[-steps][0]
+            kept.append((snap.step, flags, snap.activations[name].numel / len(flags)))
+            recent = list(kept)[::-1]  # newest first: the shortest window of enough checks and samples
+            enough = (
+                k for k in range(self.limits.patience, len(recent) + 1) if sum(r[2] for r in recent[:k]) >= DEAD_SAMPLES
+            )
+            if steps := 1 if all(flags) else next(enough, 0):
+                window[name] = [all(column) for column in zip(*(f for _, f, _ in recent[:steps]), strict=True)]
+                starts[label(name)] = recent[steps - 1][0]
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
