@@ -51,7 +51,7 @@ class DigitsCNN(pl.LightningModule):
         channels: Channels of the first convolution (the second has twice as many).
     """
 
-    def __init__(self, lr: float = 0.01, channels: int = 16) -> None:
+    def __init__(self, lr: float = 0.003, channels: int = 16) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.features = nn.Sequential(
