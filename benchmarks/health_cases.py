@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hooks import HealthMonitor
+
 __all__ = [
     "SYMPTOMS",
     "Case",
@@ -40,19 +42,8 @@ __all__ = [
     "healthy",
 ]
 
-SYMPTOMS: tuple[str, ...] = (
-    "dead_units",
-    "vanishing_gradients",
-    "exploding_gradients",
-    "update_ratio",
-    "activation_growth",
-    "nonfinite",
-    "loss_spike",
-    "saturation",
-    "input_scale",
-    "no_learning",
-)
-"""What a buggy program's ground truth may name: HealthMonitor's checks, those being added included."""
+SYMPTOMS: tuple[str, ...] = tuple(HealthMonitor().checks)
+"""What a buggy program's ground truth may name: HealthMonitor's checks (``checks=None`` is all of them)."""
 
 Built = tuple[pl.LightningModule, pl.LightningDataModule | None]
 Builder = Callable[[], Built]
