@@ -208,6 +208,9 @@ class HealthMonitor(StatsCallback):
         self._norm_layers = [self._owner[name] for name, _ in self._params]
         self._numel = {name: p.numel() for name, p in self._params}
         self._layer_of = {id(p): self._owner[name] for name, p in self._params}
+        self._sizes: dict[str, int] = {}  # parameter values per layer
+        for name, n in self._numel.items():
+            self._sizes[self._owner[name]] = self._sizes.get(self._owner[name], 0) + n
         self._softmax = frozenset(label(name) for name, m in self._leaves if isinstance(m, torch.nn.Softmax))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
@@ -382,9 +385,6 @@ class HealthMonitor(StatsCallback):
                 norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
                 row += ring_step in with_norms
         executed = [label(name) for name in self._units.order]
-        sizes: dict[str, int] = {}
-        for name, n in self._numel.items():
-            sizes[self._owner[name]] = sizes.get(self._owner[name], 0) + n
         world = trainer.world_size
         return Snapshot(
             step=step,
@@ -394,7 +394,7 @@ class HealthMonitor(StatsCallback):
             softmax=self._softmax,
             lrs=self._lrs,
             gradless=bool(self._gradless),
-            weight_sizes=sizes,
+            weight_sizes=self._sizes,
             inputs={
                 k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"
             },
