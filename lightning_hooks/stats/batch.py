@@ -148,7 +148,7 @@ class StatBatch:
                 self._reduce_pending()
         else:
             for key, t in zip(keys, tensors, strict=True):
-                self._blocks.append(([key], reduce_rows(t.reshape(1, -1))))
+                self._blocks.append(([key], state_row(t).unsqueeze(0)))
         if histogram:
             for key, t in zip(keys, tensors, strict=True):
                 self._samples.setdefault(key, []).append(sample(t))

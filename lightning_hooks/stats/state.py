@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "CHUNK",
     "STATS",
     "WIDTH",
     "State",
@@ -90,9 +91,27 @@ def counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
     return flags.sum(dim, dtype=torch.float64 if wide else None)
 
 
+CHUNK = 1 << 23
+"""The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces,
+so that the reduction's float32 temporaries stay near 100 MiB however large the tensor."""
+
+
 def state_row(t: torch.Tensor) -> torch.Tensor:
-    """The float64 state of ``t`` as a ``WIDTH`` vector on its device (what a compiled graph outputs)."""
-    return reduce_rows(t.reshape(1, -1))[0]
+    """The float64 state of ``t`` as a ``WIDTH`` vector on its device (what a compiled graph outputs), reduced in
+    pieces of at most :data:`CHUNK` values.
+
+    Example::
+
+        >>> t = torch.randn(3 * CHUNK // 2, generator=torch.Generator().manual_seed(0))
+        >>> row = state_row(t)
+        >>> int(row[0]) == t.numel(), bool(torch.isclose(row[2], (t.double() ** 2).sum(), rtol=1e-3))
+        (True, True)
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= CHUNK:
+        return reduce_rows(flat.unsqueeze(0))[0]
+    pieces = torch.cat([reduce_rows(piece.unsqueeze(0)) for piece in flat.split(CHUNK)])
+    return torch.cat([pieces[:, :_SUMMED].sum(0), pieces[:, _SUMMED:].amax(0)])
 
 
 def state(t: torch.Tensor) -> State:
