@@ -16,7 +16,7 @@ from lightning_hooks.core.handles import HookHandles, observers_asleep
 from lightning_hooks.recorders.activations import ActivationRecorder
 from lightning_hooks.stats.batch import StatBatch
 from tests.callbacks.test_nonfinite_guard import ChainNet, ManualChainNet, Snapshots, guard_warnings, same
-from tests.support.helpers import TinyNet, events, hook_state, make_trainer, texts
+from tests.support.helpers import TinyNet, devices, events, hook_state, make_trainer, texts
 from tests.support.zoo import ResNetish
 from tests.unit.test_finite_core import Log
 
@@ -86,10 +86,11 @@ def test_an_inf_gradient_from_sqrt_at_zero_is_named_as_backward(tmp_path: Path, 
     assert "values are Inf" in str(error)
 
 
-def test_a_nan_that_depends_on_the_random_stream_is_reproduced_by_the_replay(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_a_nan_that_depends_on_the_random_stream_is_reproduced_by_the_replay(tmp_path: Path, device: str) -> None:
     torch.manual_seed(3)
     layer = RandomLog()
-    error = fit_raising(tmp_path, ChainNet(layer), "replay")
+    error = fit_raising(tmp_path, ChainNet(layer), "replay", accelerator=device)
     finding = error.finding
     assert finding is not None
     # The last call was the replay of the step's one micro-batch, the one before it the step itself.
@@ -136,10 +137,13 @@ class BatchNormRandomChain(ChainNet):
         return None if batch_idx == self.none_at else loss
 
 
-def test_a_replayed_step_leaves_weights_buffers_and_random_stream_as_without_the_guard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", devices())
+def test_a_replayed_step_leaves_weights_buffers_and_random_stream_as_without_the_guard(
+    tmp_path: Path, device: str
+) -> None:
     def fit(model: BatchNormRandomChain, callbacks: list[pl.Callback]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        make_trainer(tmp_path, callbacks, logger=False).fit(model)
-        return model.state_dict(), torch.rand(4)
+        make_trainer(tmp_path, callbacks, logger=False, accelerator=device).fit(model)
+        return model.state_dict(), torch.rand(4, device=device)
 
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"`layer3` \(Log\)[\s\S]*step 2, batch 2"):

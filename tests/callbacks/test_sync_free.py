@@ -21,19 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_hooks
 from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, NonFiniteGuard, ShapeLogger
-from tests.support.helpers import TinyNet, make_trainer
+from tests.support.helpers import TinyNet, devices, make_trainer
 
 aten = torch.ops.aten
 PACKAGE = str(Path(lightning_hooks.__file__).parent)
 EVERY = 5
 STEPS = 12
 QUIET = [s for s in range(STEPS) if s % EVERY]
-
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-
-
-def devices(cpu_marks: tuple[pytest.MarkDecorator, ...] = ()) -> list[Any]:
-    return [pytest.param("cpu", marks=cpu_marks), pytest.param("cuda", marks=GPU)]
+LOGGING = [s for s in range(STEPS) if s % EVERY == 0]
 
 
 def _where() -> str:
@@ -65,19 +60,23 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class QuietSteps:
-    """Two callbacks, ``first`` and ``last``, that hold a :class:`HostReads` over each quiet step's batch."""
+class MeteredSteps:
+    """Two callbacks, ``first`` and ``last``, that hold a :class:`HostReads` over each quiet step's batch (each
+    logging step's, with ``logging``); ``per_step`` holds the reads of each such step."""
 
-    def __init__(self) -> None:
+    def __init__(self, logging: bool = False) -> None:
         self.mode = HostReads()
         self.steps: list[int] = []
+        self.per_step: list[list[str]] = []
         self.active = False
         meter = self
 
         class First(pl.Callback):
             def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-                if trainer.global_step % EVERY:
+                if (trainer.global_step % EVERY == 0) == logging:
                     meter.steps.append(trainer.global_step)
+                    meter.mode.reads = []
+                    meter.per_step.append(meter.mode.reads)
                     meter.mode.__enter__()
                     meter.active = True
 
@@ -96,9 +95,9 @@ class QuietSteps:
             self.mode.__exit__(None, None, None)
 
 
-def quiet_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str) -> list[str]:
-    """Where each host read of the quiet steps of a 12-step fit happened."""
-    meter = QuietSteps()
+def step_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str, logging: bool = False) -> list[list[str]]:
+    """Where each host read of each quiet step (each logging step, with ``logging``) of a 12-step fit happened."""
+    meter = MeteredSteps(logging)
     trainer = make_trainer(
         tmp_path,
         [meter.first, *callbacks, meter.last],
@@ -107,8 +106,13 @@ def quiet_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str) -> li
         log_every_n_steps=EVERY,
     )
     trainer.fit(TinyNet(n=64, batch_size=16))  # every batch the same shape: ShapeLogger has no reason to look
-    assert meter.steps == QUIET
-    return meter.mode.reads
+    assert meter.steps == (LOGGING if logging else QUIET)
+    return meter.per_step
+
+
+def quiet_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str) -> list[str]:
+    """Where each host read of the quiet steps of a 12-step fit happened."""
+    return [where for reads in step_reads(tmp_path, callbacks, device) for where in reads]
 
 
 def all_six() -> list[pl.Callback]:
@@ -150,6 +154,18 @@ def test_all_six_read_only_the_guards_flag(tmp_path: Path, device: str) -> None:
     assert len(reads) <= len(QUIET)
     without_guard = [c for c in all_six() if not isinstance(c, NonFiniteGuard)]
     assert quiet_reads(tmp_path / "without", without_guard, device) == []
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_logging_step_reads_at_most_once_per_callback(tmp_path: Path, device: str) -> None:
+    # On a CPU the mode sees `item`, `float` and `bool` but not `tolist`, which reads without dispatching: the
+    # statistics' one read per logging step is seen on an accelerator.
+    assert step_reads(tmp_path, [], device, logging=True) == [[]] * len(LOGGING)
+    for name, make in {**CALLBACKS, "NonFiniteGuard": NonFiniteGuard}.items():
+        reads = step_reads(tmp_path / name, [make()], device, logging=True)
+        assert all(len(step) <= 1 for step in reads), (name, reads)
+    reads = step_reads(tmp_path / "all", all_six(), device, logging=True)
+    assert all(len(step) <= len(all_six()) for step in reads), reads
 
 
 def test_the_meter_sees_a_read(tmp_path: Path) -> None:

@@ -6,12 +6,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+CUDA = (pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))
+"""The marks of a test that needs a CUDA GPU: selected by ``pytest -m cuda``, skipped without one."""
+
+
+def devices() -> list[Any]:
+    """``"cpu"`` and ``"cuda"`` as parameters, the second with :data:`CUDA`'s marks."""
+    return [pytest.param("cpu"), pytest.param("cuda", marks=CUDA)]
 
 
 class TinyNet(pl.LightningModule):
