@@ -1,6 +1,7 @@
 """The overhead benchmark's machinery: callgrind's instruction meter and a tiny timed run."""
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,27 @@ def test_the_logging_step_prints_each_code_base_and_each_floor() -> None:
     assert "| code | quiet step, CPU / wall | logging step's extra, CPU (× quiet) / wall | other threads |" in out
     assert "digits-cnn (" in out
     assert "GradStats + ActivationStats every 2 steps, histograms off" in out
+
+
+def test_the_gpu_benchmark_runs_on_a_tiny_model_and_writes_its_results(tmp_path: Path) -> None:
+    out = output_of(
+        [sys.executable, "benchmarks/gpu.py", "--smoke", "--modes", "eager", "--sections", "time", "logging"]
+        + ["--out", str(tmp_path)]
+    )
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    timed = results["sections"]["step time (eager)"]
+    assert timed["rounds"] == 2
+    assert set(timed["ratio"]) == {
+        "without callbacks",
+        "all six @50",
+        "observers @50",
+        "GradStats + ActivationStats @50",
+        "NonFiniteGuard",
+        "LaggedGuard (prototype)",
+    }
+    assert timed["ratio"]["without callbacks"] == 1.0
+    assert all(ms > 0 for ms in timed["ms_per_step"].values())
+    logging_step = results["sections"]["logging step (eager)"]
+    assert logging_step["logging_ms"] > logging_step["quiet_ms"] > 0
+    assert "| all six @50 |" in out
+    assert (tmp_path / "gpu.md").read_text().strip() in out

@@ -1,0 +1,595 @@
+"""What the callbacks cost on one GPU, where users train: a GPT-2-small-sized model, eager and compiled.
+
+    python benchmarks/gpu.py [--out DIR] [--budget SECONDS]   # on a machine with a CUDA GPU, ~6 minutes
+    python benchmarks/gpu.py --smoke                          # a tiny model on the CPU: checks the script runs
+    bash benchmarks/gpu.sh                                    # what a lent GPU machine runs: `pytest -m cuda`, this
+
+The model is ``transformers``' GPT-2 built from a config with random weights (12 layers, hidden 768,
+sequence 512, batch 8 of random tokens), trained with AdamW under ``precision="bf16-mixed"``, once
+as it is (eager) and once with ``torch.compile`` on it inside the LightningModule. Sections, each
+written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measured):
+
+1. **Step time.** Fits without callbacks, with all six at ``log_every_n_steps=50``, with the four
+   observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor), with GradStats and
+   ActivationStats, with NonFiniteGuard alone and with a prototype of its flag read one step late
+   (``LaggedGuard``, below). Each fit leaves out its first ``WARMUP`` steps (compiles) and times
+   windows of 50 steps (each holds one logging step) between two synchronisations; the figure is
+   the median window over every fit of a variant, relative to the baseline's. Fits run in rounds,
+   every variant once per round in an order rotated every round, until the budget's share for the
+   section is spent. Peak memory (``torch.cuda.max_memory_allocated`` from the fit's start) comes
+   from the same fits.
+2. **The logging step's extra time**: a fit with all six logging every 10 steps, synchronised at
+   every step: the median logging step less the median quiet step.
+3. **Synchronisations**: ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
+   without callbacks, with every callback but NonFiniteGuard, with NonFiniteGuard alone (its one
+   flag read a step expected) and with ``LaggedGuard``, counting what each warns of; then, where the
+   fit without callbacks synchronised nowhere, every callback but NonFiniteGuard under ``"error"``.
+4. **Memory tools for MemoryLogger (#33)**: the cost of recording the allocator's history while
+   training (``torch.cuda.memory._record_memory_history``) against the same fit without; a
+   snapshot written after a step made to run out of memory; and torch's ``MemTracker`` peak for one
+   step against ``torch.cuda.max_memory_allocated``.
+5. **Where a logging step's host time goes**: cProfile over two logging steps of all six, eager,
+   into ``profile.txt``.
+
+``--modes`` and ``--sections`` pick what runs.
+
+Figures go to ``docs/performance.md`` with the card and the date, never into docstrings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_hooks import (  # noqa: E402
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    HealthMonitor,
+    NonFiniteGuard,
+    ShapeLogger,
+)
+from lightning_hooks.callbacks.nonfinite_guard import _strided_gradients  # noqa: E402
+from lightning_hooks.recorders.finite import _finite_total  # noqa: E402
+
+SIZES: dict[str, dict[str, int]] = {
+    "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq": 512, "batch": 8, "vocab": 50257},
+    "smoke": {"n_layer": 2, "n_embd": 32, "n_head": 2, "seq": 16, "batch": 4, "vocab": 256},
+    "proxy": {"n_layer": 12, "n_embd": 64, "n_head": 4, "seq": 32, "batch": 8, "vocab": 1024},
+}
+EVERY = 50
+WARMUP = 10
+
+
+class GPT2(pl.LightningModule):
+    """GPT-2 from a config (random weights) on random tokens; ``compiled`` wraps it in ``torch.compile``."""
+
+    def __init__(self, size: str, compiled: bool) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        s = SIZES[size]
+        config = GPT2Config(
+            n_layer=s["n_layer"], n_embd=s["n_embd"], n_head=s["n_head"], n_positions=s["seq"], vocab_size=s["vocab"]
+        )
+        model = GPT2LMHeadModel(config)
+        self.model = torch.compile(model) if compiled else model
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, s["vocab"], (32 * s["batch"], s["seq"]), generator=generator)
+        self.batch_size = s["batch"]
+        self.oom_at: int | None = None
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.oom_at is not None and self.global_step == self.oom_at:
+            torch.empty(1 << 50, dtype=torch.uint8, device=batch.device)  # a petabyte: out of memory
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.tokens, batch_size=self.batch_size, shuffle=True, drop_last=True)  # type: ignore[arg-type]
+
+
+class LaggedGuard(NonFiniteGuard):
+    """A prototype of NonFiniteGuard's flag read one step late: the same check on the device, copied without
+    blocking into pinned memory behind an event, and read at the next optimizer step (by then long done).
+
+    It measures what an asynchronous flag would cost; it raises on a bad step, one step late, and replays nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+
+    def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            assert self._host is not None
+            if not math.isfinite(float(self._host)):
+                raise FloatingPointError(f"non-finite gradients at step {step - 1}")
+        grads = _strided_gradients(optimizer)
+        if not grads or grads[0].device.type != "cuda":
+            return
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        self._host.copy_(_finite_total(grads), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+
+def all_six() -> list[pl.Callback]:
+    return [ShapeLogger(), GradStats(), ActivationStats(), GradClamp(1.0), NonFiniteGuard(), HealthMonitor()]
+
+
+def observers() -> list[pl.Callback]:
+    return [ShapeLogger(), GradStats(), ActivationStats(), HealthMonitor()]
+
+
+VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
+    "without callbacks": list,
+    "all six @50": all_six,
+    "observers @50": observers,
+    "GradStats + ActivationStats @50": lambda: [GradStats(), ActivationStats()],
+    "NonFiniteGuard": lambda: [NonFiniteGuard()],
+    "LaggedGuard (prototype)": lambda: [LaggedGuard()],
+}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Clock(pl.Callback):
+    """Marks the host clock, after a synchronisation, at the start of every ``window``-th step from ``warmup`` (every
+    step when ``window`` is 1) and at the end of training; keeps the peak allocated memory of the fit."""
+
+    def __init__(self, warmup: int, window: int) -> None:
+        self.warmup, self.window = warmup, window
+        self.marks: list[tuple[int, float]] = []
+        self.peak = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step >= self.warmup and (step - self.warmup) % self.window == 0:
+            sync()
+            self.marks.append((step, time.perf_counter()))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync()
+        self.marks.append((trainer.global_step, time.perf_counter()))
+        if torch.cuda.is_available():
+            self.peak = torch.cuda.max_memory_allocated()
+
+    def step_ms(self) -> list[tuple[int, float]]:
+        """(first step, ms per step) of each window."""
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        return [(a, 1e3 * (tb - ta) / (b - a)) for (a, ta), (b, tb) in pairs if b > a]
+
+
+def trainer(root: Path, callbacks: list[pl.Callback], steps: int, every: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cuda" if torch.cuda.is_available() else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=steps,
+        log_every_n_steps=every,
+        logger=TensorBoardLogger(root, name="", version=None),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kwargs,
+    )
+
+
+class Results:
+    """Everything measured, written to ``gpu.json`` after each section."""
+
+    def __init__(self, out: Path, size: str) -> None:
+        self.out = out
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+        self.data: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": gpu,
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
+            "python": platform.python_version(),
+            "size": size,
+            "sections": {},
+        }
+
+    def put(self, section: str, value: Any) -> None:
+        self.data["sections"][section] = value
+        (self.out / "gpu.json").write_text(json.dumps(self.data, indent=1))
+        (self.out / "gpu.md").write_text(table(self.data) + "\n")
+
+
+@contextlib.contextmanager
+def section(results: Results, name: str) -> Iterator[dict[str, Any]]:
+    """Collects a section's figures; an exception is recorded in it instead of ending the script."""
+    found: dict[str, Any] = {}
+    start = time.perf_counter()
+    try:
+        yield found
+    except Exception as error:  # the later sections still run
+        found["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
+        found["traceback"] = traceback.format_exc()[-3000:]
+        print(f"[{name}] failed: {found['error']}", flush=True)
+    found["seconds"] = round(time.perf_counter() - start, 1)
+    results.put(name, found)
+    print(f"[{name}] done in {found['seconds']} s", flush=True)
+
+
+def step_times(
+    results: Results, root: Path, modules: dict[str, GPT2], rounds: int, windows: int, deadline: float
+) -> None:
+    """Section 1: rounds of fits, every variant once per round in a rotated order, for each mode."""
+    names = list(VARIANTS)
+    steps = WARMUP + windows * EVERY
+    for mode, module in modules.items():
+        with section(results, f"step time ({mode})") as found:
+            windows_ms: dict[str, list[float]] = {n: [] for n in names}
+            peaks: dict[str, int] = {n: 0 for n in names}
+            for r in range(rounds):
+                if r and time.perf_counter() > deadline:
+                    break
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    clock = Clock(WARMUP, EVERY)
+                    where = root / mode / name.replace(" ", "_") / str(r)
+                    trainer(where, [clock, *VARIANTS[name]()], steps, EVERY).fit(module)
+                    windows_ms[name] += [ms for _, ms in clock.step_ms()]
+                    peaks[name] = max(peaks[name], clock.peak)
+                found["rounds"] = r + 1
+                found["ms_per_step"] = {n: _median(v) for n, v in windows_ms.items()}
+                found["windows"] = windows_ms
+                base = found["ms_per_step"]["without callbacks"]
+                found["ratio"] = {n: v / base for n, v in found["ms_per_step"].items()}
+                found["peak_bytes"] = peaks
+                found["peak_ratio"] = {n: v / peaks["without callbacks"] for n, v in peaks.items() if peaks[n]}
+                results.put(f"step time ({mode})", found)
+
+
+def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
+    """Section 2: every step timed between synchronisations, all six logging every 10 steps."""
+    every, steps = 10, 60
+    for mode, module in modules.items():
+        with section(results, f"logging step ({mode})") as found:
+            clock = Clock(0, 1)
+            trainer(root / "logging" / mode, [clock, *all_six()], steps, every).fit(module)
+            times = [(s, ms) for s, ms in clock.step_ms() if s >= WARMUP]
+            logging = [ms for s, ms in times if s % every == 0]
+            quiet = [ms for s, ms in times if s % every]
+            found.update(
+                logging_ms=_median(logging),
+                quiet_ms=_median(quiet),
+                extra_ms=_median(logging) - _median(quiet),
+                logging_steps=len(logging),
+            )
+
+
+def profile_logging_step(results: Results, root: Path, module: GPT2, out: Path) -> None:
+    """Section 5: where the host's time goes in logging steps of all six (cProfile, eager), into ``profile.txt``."""
+    every, steps = 10, 32
+    with section(results, "logging step profile (eager)") as found:
+        profiler = cProfile.Profile()
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step in (20, 30):
+                    sync()
+                    profiler.enable()
+
+        class End(pl.Callback):
+            def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step - 1 in (20, 30):  # the step has been counted by now
+                    sync()
+                    profiler.disable()
+
+        trainer(root / "profile", [Start(), *all_six(), End()], steps, every).fit(module)
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(80)
+        (out / "profile.txt").write_text(text.getvalue())
+        found["ms_per_logging_step"] = 1e3 * stats.total_tt / 2  # type: ignore[attr-defined]
+
+
+class SyncDebug(pl.Callback):
+    """Sets ``torch.cuda.set_sync_debug_mode(mode)`` from the start of each quiet step to its end (a pair of
+    callbacks: ``start`` goes first in the list, ``end`` last)."""
+
+    def __init__(self, mode: str, every: int) -> None:
+        self.mode, self.every = mode, every
+        self.quiet_steps = 0
+        outer = self
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step % outer.every:
+                    outer.quiet_steps += 1
+                    torch.cuda.set_sync_debug_mode(outer.mode)
+
+        class End(pl.Callback):
+            def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+                torch.cuda.set_sync_debug_mode(0)
+
+            def on_exception(self, *args: Any) -> None:
+                torch.cuda.set_sync_debug_mode(0)
+
+        self.start, self.end = Start(), End()
+
+
+def sync_checks(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
+    """Section 3: the synchronisations of quiet steps, counted with ``"warn"`` against the fit without callbacks;
+    then, where that fit has none, every callback but NonFiniteGuard under ``"error"``."""
+    every, steps = 5, 16
+
+    def without_guard() -> list[pl.Callback]:
+        return [c for c in all_six() if not isinstance(c, NonFiniteGuard)]
+
+    cases: dict[str, Callable[[], list[pl.Callback]]] = {
+        "without callbacks": list,
+        "all but NonFiniteGuard": without_guard,
+        "NonFiniteGuard": lambda: [NonFiniteGuard()],
+        "LaggedGuard (prototype)": lambda: [LaggedGuard()],
+    }
+    for mode, module in modules.items():
+        with section(results, f"synchronisations ({mode})") as found:
+            # compiling anew for every fit is slow: the compiled model gets the two cases that matter most
+            names = list(cases) if mode == "eager" else ["without callbacks", "all but NonFiniteGuard"]
+            for name in names:
+                where = root / "sync" / mode / name.replace(" ", "_")
+                found[name] = _sync_fit(where, module, cases[name], "warn", every, steps)
+                results.put(f"synchronisations ({mode})", found)
+            if found["without callbacks"]["syncs"] == 0:
+                found["all but NonFiniteGuard, error mode"] = _sync_fit(
+                    root / "sync" / mode / "error", module, without_guard, "error", every, steps
+                )
+
+
+def _sync_fit(
+    root: Path, module: GPT2, make: Callable[[], list[pl.Callback]], debug: str, every: int, steps: int
+) -> dict[str, Any]:
+    meter = SyncDebug(debug, every)
+    entry: dict[str, Any] = {"mode": debug}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer(root, [meter.start, *make(), meter.end], steps, every).fit(module)
+        except Exception as error:
+            entry["error"] = str(error).splitlines()[0][:300]
+            entry["where"] = _our_frames(error)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    entry.update(
+        quiet_steps=meter.quiet_steps,
+        syncs=len(syncs),
+        at=sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs}),
+    )
+    return entry
+
+
+def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> None:
+    """Section 4: what MemoryLogger (#33) will build on, measured where it will run."""
+    steps = WARMUP + EVERY
+    with section(results, "memory history cost (eager)") as found:
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for r in range(rounds):
+            for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                if state == "on":
+                    torch.cuda.memory._record_memory_history(max_entries=100_000)
+                clock = Clock(WARMUP, EVERY)
+                try:
+                    trainer(root / "history" / f"{state}{r}", [clock], steps, EVERY).fit(module)
+                finally:
+                    if state == "on":
+                        torch.cuda.memory._record_memory_history(enabled=None)
+                times[state] += [ms for _, ms in clock.step_ms()]
+        found.update(ms_per_step={k: _median(v) for k, v in times.items()}, windows=times)
+        found["ratio"] = found["ms_per_step"]["on"] / found["ms_per_step"]["off"]
+
+    with section(results, "snapshot on out of memory") as found:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        module.oom_at = 3
+        try:
+            trainer(root / "oom", [], 6, EVERY).fit(module)
+            found["oom"] = False
+        except torch.OutOfMemoryError as error:
+            found["oom"] = True
+            found["message"] = str(error).splitlines()[0][:200]
+            path = root / "memory_snapshot.pickle"
+            start = time.perf_counter()
+            torch.cuda.memory._dump_snapshot(str(path))
+            found["dump_s"] = time.perf_counter() - start
+            found["bytes"] = path.stat().st_size
+            snapshot = pickle.loads(path.read_bytes())
+            actions = [e["action"] for trace in snapshot.get("device_traces", []) for e in trace]
+            found["trace_entries"] = len(actions)
+            found["oom_entries"] = actions.count("oom")
+        finally:
+            module.oom_at = None
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    with section(results, "MemTracker against the allocator") as found:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        model: torch.nn.Module = module.model.cuda()  # type: ignore[attr-defined]  # a fit's end moved it back
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        batch = module.tokens[: module.batch_size].cuda()
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # the optimizer's state exists from here on
+        gc.collect()
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            tracked_before = _total(tracker.get_tracker_snapshot("current"))
+            step()
+        sync()
+        # what the step adds at its peak, by each: the allocator also holds the other model and what fits left
+        found["tracker_step_peak_bytes"] = _total(tracker.get_tracker_snapshot("peak")) - tracked_before
+        found["allocator_step_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+        found["tracker_at_start_bytes"] = tracked_before
+        peak = next(v for d, v in tracker.get_tracker_snapshot("peak").items() if torch.device(d).type == "cuda")
+        found["tracker_peak_by_kind"] = {str(getattr(k, "value", k)): v for k, v in peak.items()}
+        found["ratio"] = found["tracker_step_peak_bytes"] / found["allocator_step_peak_bytes"]
+
+
+def _total(snapshot: dict[Any, dict[Any, int]]) -> int:
+    """The total of a ``MemTracker`` snapshot's CUDA device."""
+    by_kind = next(v for device, v in snapshot.items() if torch.device(device).type == "cuda")
+    return next((v for k, v in by_kind.items() if str(k).endswith("Total")), sum(by_kind.values()))
+
+
+def _our_frames(error: BaseException) -> list[str]:
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in frames if "lightning_hooks" in f.filename or "benchmarks" in f.filename]
+    return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in (ours or frames)[-3:]]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def table(data: dict[str, Any]) -> str:
+    """The markdown tables of ``gpu.json``."""
+    s = data["sections"]
+    lines = [f"{data['device']}, torch {data['torch']}, Lightning {data['lightning']}, {data['date']}, {data['size']}"]
+    lines.append("")
+    modes = [m for m in ("eager", "compiled") if f"step time ({m})" in s]
+    if modes:
+        heads = " | ".join(f"{m}: ms/step (× none) | {m}: peak memory (× none)" for m in modes)
+        lines += [f"| variant | {heads} |"]
+        lines += ["|---|" + "---:|---:|" * len(modes)]
+        for name in VARIANTS:
+            cells = []
+            for m in modes:
+                f = s[f"step time ({m})"]
+                ms, ratio = f.get("ms_per_step", {}).get(name, math.nan), f.get("ratio", {}).get(name, math.nan)
+                peak = f.get("peak_ratio", {}).get(name, math.nan)
+                cells += [f"{ms:.2f} ({ratio:.4f})", f"{peak:.4f}"]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append("rounds: " + ", ".join(f"{m} {s[f'step time ({m})'].get('rounds', 0)}" for m in modes))
+    for m in ("eager", "compiled"):
+        f = s.get(f"logging step ({m})", {})
+        if "extra_ms" in f:
+            lines.append(
+                f"logging step, all six every 10 ({m}): {f['logging_ms']:.2f} ms against {f['quiet_ms']:.2f} ms quiet "
+                f"(+{f['extra_ms']:.2f} ms)"
+            )
+    for key, f in s.items():
+        if key.startswith("synchronisations"):
+            for name, e in f.items():
+                if isinstance(e, dict):
+                    lines.append(f"{key}, {name}: {json.dumps(e)}")
+    for key in ("memory history cost (eager)", "snapshot on out of memory", "MemTracker against the allocator"):
+        if key in s:
+            f = {k: v for k, v in s[key].items() if k not in ("windows", "traceback")}
+            lines.append(f"{key}: {json.dumps(f)}")
+    errors = [f"{k}: {v['error']}" for k, v in s.items() if isinstance(v, dict) and "error" in v]
+    return "\n".join(lines + (["", "errors:", *errors] if errors else []))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script, roughly")
+    parser.add_argument("--rounds", type=int, default=4, help="at most this many rounds of step-time fits per mode")
+    parser.add_argument("--windows", type=int, default=2, help="50-step windows timed per fit")
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2 on the CPU, a few steps: the script runs")
+    parser.add_argument("--sections", nargs="*", default=["time", "sync", "memory", "logging", "profile"])
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if not torch.cuda.is_available() and not args.smoke:
+        parser.error("no CUDA GPU here; use --smoke to check the script on the CPU")
+    global EVERY, WARMUP
+    if args.smoke:
+        EVERY, WARMUP = 5, 2
+        args.rounds, args.windows = min(args.rounds, 2), 1
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    size = "smoke" if args.smoke else "gpt2-small"
+    results = Results(args.out, size)
+    torch.manual_seed(0)
+    modules = {mode: GPT2(size, compiled=mode == "compiled") for mode in args.modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if "time" in args.sections:
+            # the eager rounds get up to 35 % of the budget, the compiled ones what is left of 70 %
+            for mode, share in (("eager", 0.35), ("compiled", 0.7)):
+                if mode not in args.modes:
+                    continue
+                deadline = start + share * args.budget
+                step_times(results, root, {mode: modules[mode]}, args.rounds, args.windows, deadline)
+        cuda = torch.cuda.is_available()
+        later: list[tuple[str, Callable[[], None]]] = [
+            ("sync", lambda: sync_checks(results, root, modules) if cuda else None),
+            ("memory", lambda: memory_tools(results, root, modules["eager"], rounds=2) if cuda else None),
+            ("logging", lambda: logging_step(results, root, modules)),
+            ("profile", lambda: profile_logging_step(results, root, modules["eager"], args.out)),
+        ]
+        for name, run in later:
+            if name not in args.sections:
+                continue
+            if time.perf_counter() - start > 1.1 * args.budget:
+                results.put(name, {"skipped": "out of time"})
+                continue
+            run()
+    results.data["seconds"] = round(time.perf_counter() - start, 1)
+    results.put("total", {"seconds": results.data["seconds"]})
+    print(table(results.data))
+
+
+if __name__ == "__main__":
+    main()
