@@ -268,7 +268,7 @@ class HealthMonitor(StatsCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._ring is not None:
-            self._ring.norms(self._step_now())
+            self._ring.norms(self._step_now(), logging=self.gate.is_open)
         if self._watch_grads and self._enabled and self.gate.is_open:
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -326,6 +326,8 @@ class HealthMonitor(StatsCallback):
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
+        if self._ring is not None:
+            self._ring.halfway = self._tracker.halfway()
         for finding in new:
             rank_zero_warn(warning(finding))
         if new:
@@ -436,7 +438,9 @@ class _LossRing:
     """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
 
     :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch; at most
-    ``size`` steps are kept.
+    ``size`` steps are kept. On a CPU, where reading the loss costs nothing, a quiet step's norms are taken only
+    when its loss reaches ``halfway`` (set after each check) or is not finite: only such a step can be a spike,
+    whose layer they name. On an accelerator they are taken on every step, since deciding would wait for it.
     """
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
@@ -444,6 +448,8 @@ class _LossRing:
         self.zero = torch.zeros((), device=device)
         self.losses: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
+        self.halfway: float | None = None
+        self._on_host = device.type == "cpu"
         self._loss_step = -1
 
     def loss(self, step: int, loss: torch.Tensor) -> None:
@@ -457,8 +463,11 @@ class _LossRing:
             del self.losses[oldest]
             self.grad_norms.pop(oldest, None)
 
-    def norms(self, step: int) -> None:
+    def norms(self, step: int, logging: bool) -> None:
         if step in self.grad_norms:  # a further optimizer of the step
+            return
+        quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
+        if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
             return
         zero = self.zero
         grads = [zero if p.grad is None else local(p.grad) for p in self.params]

@@ -345,6 +345,12 @@ class HealthTracker:
                 self._loss_norms.append(norms)
         return found
 
+    def halfway(self) -> float | None:
+        """The loss half-way from the rolling median to a spike (``None`` before there is a history): a step whose
+        loss stays below it can be neither a spike nor its cause."""
+        level = self._level()
+        return None if level is None else level[0] + level[1] * self.limits.spike_threshold / 2
+
     def _level(self) -> tuple[float, float] | None:
         """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
         if len(self._losses) < SPIKE_MIN_HISTORY:

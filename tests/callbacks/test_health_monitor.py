@@ -256,22 +256,26 @@ def test_the_summary_has_a_line_per_finding() -> None:
     ]
 
 
-def test_the_ring_takes_the_norms_of_every_step_and_reads_nothing_until_the_hand_over() -> None:
+def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_reads_nothing_until_hand_over() -> None:
     from lightning_hooks.callbacks.health_monitor import _LossRing
     from lightning_hooks.stats.batch import StatBatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 2.0)
     ring = _LossRing([weight], size=8, device=torch.device("cpu"))
-    for step, loss in [(0, 0.5), (1, 0.5), (2, 3.0), (3, math.nan)]:
+    for step in (0, 1):  # no loss history yet: every step
+        ring.loss(step, torch.tensor(0.5))
+        ring.norms(step, logging=False)
+    ring.halfway = 1.0
+    for step, loss, logging in [(2, 0.5, False), (3, 0.5, True), (4, 3.0, False), (5, math.nan, False)]:
         ring.loss(step, torch.tensor(loss))
-        ring.norms(step)
+        ring.norms(step, logging)
     batch = StatBatch()
     batch.start()
-    assert ring.hand_over(batch) == ([0, 1, 2, 3], {0, 1, 2, 3})
+    assert ring.hand_over(batch) == ([0, 1, 2, 3, 4, 5], {0, 1, 3, 4, 5})
     fetched = batch.fetch()
-    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 4)
-    assert fetched.vectors[("ring", "loss")][:3] == [0.5, 0.5, 3.0]
+    assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 5)
+    assert fetched.vectors[("ring", "loss")][:5] == [0.5, 0.5, 0.5, 0.5, 3.0]
 
 
 def test_the_monitor_pickles_during_fit_without_the_model(tmp_path: Path) -> None:

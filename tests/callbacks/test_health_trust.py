@@ -220,3 +220,15 @@ def test_a_gradient_norm_climbing_steadily_without_overflow_is_exploding(tmp_pat
     findings = fit(tmp_path, model, steps=61, every=10)
     assert [f.check for f in findings] == ["exploding_gradients"]
     assert findings[0].value >= 100
+
+
+def test_a_dead_output_relu_is_named_before_a_hidden_relu_with_silent_units(tmp_path: Path) -> None:
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.ReLU())  # a ReLU on a regression's output
+    with torch.no_grad():
+        net[2].bias.fill_(-20.0)  # the output ReLU never fires: nothing learns behind it
+        net[0].bias[:6] = -20.0  # and 6 of the 16 hidden units never fire either
+    x = seeded(2048, 8)
+    model = Fit(net, x, x[:, :4] ** 2, lambda model, x, y: F.mse_loss(model(x), y), sgd=True, lr=0.05)
+    found = fit(tmp_path, model, steps=30)
+    # Before #31 the hidden ReLU came first, in model order: [dead_units net.1, dead_units net.3, ...].
+    assert (found[0].check, found[0].layers[0], found[0].step) == ("dead_units", "net.3", 0)
