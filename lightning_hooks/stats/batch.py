@@ -9,7 +9,17 @@ import torch
 
 from lightning_hooks.core.select import output_label
 from lightning_hooks.stats.histogram import Histogram, histogram_rows, sample
-from lightning_hooks.stats.state import STATS, WIDTH, State, derive_table, pool, reduce_rows, state_row
+from lightning_hooks.stats.state import (
+    STATS,
+    WIDTH,
+    State,
+    derive_table,
+    pool,
+    raw_pieces,
+    raw_rows,
+    raw_states,
+    state_row,
+)
 
 __all__ = ["Across", "Fetched", "Key", "OutputKeys", "StatBatch", "sample", "state_row"]
 
@@ -97,7 +107,10 @@ class StatBatch:
         self._order: dict[Key, None] = {}
         """Every key with a state, in the order of its first call."""
         self._blocks: list[tuple[list[Key], torch.Tensor]] = []
-        """Reduced states: the keys of their rows, and the rows."""
+        """States computed elsewhere (compiled graphs, empty tensors): the keys of their rows, and the rows."""
+        self._raw: list[tuple[list[Key], torch.Tensor, list[int]]] = []
+        """Reduced rows not yet made states (:func:`raw_rows`): their keys, the rows, and each row's count of values.
+        Made states together in :meth:`fetch`, once a step."""
         self._pending: dict[tuple[torch.device, torch.Size], list[tuple[list[Key], torch.Tensor]]] = {}
         """Per device and shape, slabs of float32 copies waiting to be reduced together, with the keys of their rows."""
         self._held = 0
@@ -146,9 +159,12 @@ class StatBatch:
             self._held += n * k
             if self._held > PENDING_MAX:
                 self._reduce_pending()
-        else:
+        elif n:
             for key, t in zip(keys, tensors, strict=True):
-                self._blocks.append(([key], state_row(t).unsqueeze(0)))
+                raw, sizes = raw_pieces(t)
+                self._raw.append(([key] * len(sizes), raw, sizes))
+        else:
+            self._blocks += [([key], torch.zeros(1, WIDTH, dtype=torch.float64, device=first.device)) for key in keys]
         if histogram:
             for key, t in zip(keys, tensors, strict=True):
                 self._samples.setdefault(key, []).append(sample(t))
@@ -187,7 +203,8 @@ class StatBatch:
         for slot, slabs in self._pending.items():
             self._rows[slot] = sum(len(keys) for keys, _ in slabs)  # the next step's first slab takes them all
             for keys, slab in slabs:
-                self._blocks.append((keys, reduce_rows(slab[: len(keys)].reshape(len(keys), -1))))
+                rows = slab[: len(keys)].reshape(len(keys), -1)
+                self._raw.append((keys, raw_rows(rows), [rows.shape[1]] * len(keys)))
         self._pending, self._held = {}, 0
 
     def fetch(self, across: Across | None = None) -> Fetched:
@@ -239,11 +256,16 @@ class StatBatch:
 
     def _pooled(self, keys: list[Key], device: torch.device) -> torch.Tensor:
         """One state per key of ``keys`` (a key with nothing recorded here is an empty state)."""
-        if not self._blocks:
+        blocks = list(self._blocks)
+        if self._raw:
+            raw = torch.cat([rows.to(device) for _, rows, _ in self._raw])
+            sizes = torch.tensor([n for _, _, ns in self._raw for n in ns], dtype=torch.float64, device=device)
+            blocks.append(([key for block_keys, _, _ in self._raw for key in block_keys], raw_states(raw, sizes)))
+        if not blocks:
             return torch.zeros(len(keys), WIDTH, dtype=torch.float64, device=device)
         position = {key: i for i, key in enumerate(keys)}
-        index = [position[key] for block_keys, _ in self._blocks for key in block_keys]
-        rows = torch.cat([rows.to(device) for _, rows in self._blocks])
+        index = [position[key] for block_keys, _ in blocks for key in block_keys]
+        rows = torch.cat([rows.to(device) for _, rows in blocks])
         return pool(rows, torch.tensor(index, device=device), len(keys))
 
     def _histograms(self, keys: list[Key], device: torch.device) -> torch.Tensor:

@@ -21,6 +21,10 @@ __all__ = [
     "nonfinite_count",
     "norm_total",
     "pool",
+    "RAW",
+    "raw_pieces",
+    "raw_rows",
+    "raw_states",
     "reduce_rows",
     "state",
     "state_row",
@@ -47,26 +51,46 @@ _SUMMED = WIDTH - 1
 
 
 def reduce_rows(m: torch.Tensor) -> torch.Tensor:
-    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction. Values are
-    reduced in float32 (float64 stays float64); NaN wins the maximum and counts as non-zero."""
-    x = m.detach()
-    x = x if x.dtype == torch.float64 else x.float()
-    k, n = x.shape
+    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction
+    (:func:`raw_rows`, then :func:`raw_states`). Values are reduced in float32 (float64 stays float64); NaN wins the
+    maximum and counts as non-zero."""
+    k, n = m.shape
     if n == 0:
-        return torch.zeros(k, WIDTH, dtype=torch.float64, device=x.device)
-    mean = x.mean(1)
-    centred = x - mean.unsqueeze(1)
-    spread = torch.linalg.vector_norm(centred, dim=1)
-    magnitude = x.abs()
-    abs_sum, abs_max = magnitude.sum(1), magnitude.amax(1)
-    nonzero = counted(torch.ne(magnitude, 0, out=centred), 1)  # the temporaries are reused for the flags
-    finite = counted(torch.le(magnitude, torch.finfo(x.dtype).max, out=magnitude), 1)
-    # mean, spread, then the last fields of a state in their order
-    raw = torch.stack([mean, spread, nonzero, n - finite, abs_sum, abs_max], 1).double()
-    mean, spread = raw[:, :1], raw[:, 1:2]
-    total = mean * n
-    sum_sq = torch.addcmul(spread.square(), total, mean)  # spread² + n·mean², rebuilt in float64
-    return torch.cat([total.new_full((k, 1), n), total, sum_sq, raw[:, 2:]], 1)
+        return torch.zeros(k, WIDTH, dtype=torch.float64, device=m.device)
+    return raw_states(raw_rows(m.detach()), n)
+
+
+RAW = 6
+"""The width of :func:`raw_rows`: sum, variance, non-zero count, non-finite count, sum of magnitudes, largest
+magnitude."""
+
+
+def raw_rows(m: torch.Tensor) -> torch.Tensor:
+    """Per row of the detached, non-empty matrix ``m``, what its state is made of, in ``m``'s float dtype (float32
+    for a half-precision one; float64 where a count would pass float32's exact integers): a fused reduction per
+    column, so that they are cheap to launch on an accelerator. :func:`raw_states` makes states of them, once for
+    every row a step reduced."""
+    x = m if m.dtype in (torch.float32, torch.float64) else m.float()
+    columns = [
+        x.sum(1),
+        x.var(1, correction=0),  # NaN where a value is not finite, as the state's sum of squares then is
+        torch.count_nonzero(x, 1),  # NaN is not zero
+        torch.count_nonzero(x * 0, 1),  # a finite value times zero is zero; Inf and NaN make NaN
+        torch.linalg.vector_norm(x, 1, dim=1),
+        torch.linalg.vector_norm(x, math.inf, dim=1),  # NaN wins
+    ]
+    if x.shape[1] > 1 << 24:
+        columns = [c.double() for c in columns]
+    return torch.stack(columns, 1)
+
+
+def raw_states(raw: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+    """The ``(k, WIDTH)`` float64 states of :func:`raw_rows`' rows of ``n`` values each (a number, or one per row)."""
+    r = raw.double()
+    sizes = r.new_full((r.shape[0], 1), n) if isinstance(n, int) else n.to(r).reshape(-1, 1)
+    total = r[:, :1]
+    sum_sq = torch.addcmul(r[:, 1:2] * sizes, total, total / sizes)  # n·variance + n·mean², in float64
+    return torch.cat([sizes, total, sum_sq, r[:, 2:]], 1)
 
 
 def nonfinite_count(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -92,26 +116,36 @@ def counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 
 CHUNK = 1 << 23
-"""The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces,
-so that the reduction's float32 temporaries stay near 100 MiB however large the tensor."""
+"""The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces."""
 
 
 def state_row(t: torch.Tensor) -> torch.Tensor:
-    """The float64 state of ``t`` as a ``WIDTH`` vector on its device (what a compiled graph outputs), reduced in
-    pieces of at most :data:`CHUNK` values.
+    """The float64 state of ``t`` as a ``WIDTH`` vector on its device (what a compiled graph outputs).
 
     Example::
 
         >>> t = torch.randn(3 * CHUNK // 2, generator=torch.Generator().manual_seed(0))
         >>> row = state_row(t)
-        >>> int(row[0]) == t.numel(), bool(torch.isclose(row[2], (t.double() ** 2).sum(), rtol=1e-3))
+        >>> int(row[0]) == t.numel(), bool(torch.isclose(row[2], (t.double() ** 2).sum(), rtol=1e-5))
         (True, True)
     """
-    flat = t.detach().reshape(-1)
-    if flat.numel() <= CHUNK:
-        return reduce_rows(flat.unsqueeze(0))[0]
-    pieces = torch.cat([reduce_rows(piece.unsqueeze(0)) for piece in flat.split(CHUNK)])
-    return torch.cat([pieces[:, :_SUMMED].sum(0), pieces[:, _SUMMED:].amax(0)])
+    if not t.numel():
+        return torch.zeros(WIDTH, dtype=torch.float64, device=t.device)
+    raw, sizes = raw_pieces(t.detach())
+    if len(sizes) == 1:
+        return raw_states(raw, sizes[0])[0]
+    states = raw_states(raw, torch.tensor(sizes, dtype=torch.float64, device=raw.device))
+    return torch.cat([states[:, :_SUMMED].sum(0), states[:, _SUMMED:].amax(0)])
+
+
+def raw_pieces(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The :func:`raw_rows` of the detached, non-empty ``t``'s values in pieces of at most :data:`CHUNK` (so that a
+    half-precision tensor's float32 copy stays near 32 MiB however large it is), and the pieces' sizes."""
+    n = t.numel()
+    if n <= CHUNK:
+        return raw_rows(t.reshape(1, -1)), [n]
+    pieces = t.reshape(-1).split(CHUNK)
+    return torch.cat([raw_rows(piece.unsqueeze(0)) for piece in pieces]), [piece.numel() for piece in pieces]
 
 
 def state(t: torch.Tensor) -> State:
@@ -120,7 +154,7 @@ def state(t: torch.Tensor) -> State:
     Example::
 
         >>> derive(state(torch.tensor([3.0, 0.0, -4.0])), ["mean", "abs_max", "nonfinite"])
-        {'mean': -0.3333333432674408, 'abs_max': 4.0, 'nonfinite': 0.0}
+        {'mean': -0.3333333333333333, 'abs_max': 4.0, 'nonfinite': 0.0}
     """
     return State._make(state_row(t).tolist())
 

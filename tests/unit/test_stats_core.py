@@ -418,3 +418,31 @@ def test_the_tensor_taken_last_is_not_kept_alive() -> None:
     del logits
     assert alive() is None
     assert batch.fetch().states["act", "head"].numel == _stats.ROW_MAX + 1
+
+
+def test_a_large_tensor_is_reduced_in_a_few_operators_and_made_a_state_with_the_others() -> None:
+    # On an accelerator each operator that is not a view is a kernel launch, and a logging step takes hundreds of
+    # tensors: a few fused reductions per tensor, and the float64 states made once for them all at fetch.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    tensors = [torch.randn(3, 40_000) for _ in range(4)]  # each larger than a slab row: reduced when taken
+    batch = StatBatch()
+    batch.start()
+    with Count() as counted:
+        for i, t in enumerate(tensors):
+            batch.add(("act", str(i)), t)
+    assert len(counted.ops) <= 8 * len(tensors), Counter(counted.ops)  # 17 each before
+    fetched = batch.fetch()
+    for i, t in enumerate(tensors):
+        assert fetched.states[("act", str(i))].sum_sq == pytest.approx(float((t.double() ** 2).sum()), rel=1e-5)
+        assert fetched.states[("act", str(i))].sum == pytest.approx(float(t.double().sum()), abs=1e-2)
