@@ -33,8 +33,9 @@ class ShapeLogger(HookCallback):
     including children) is printed on rank zero and logged under ``shapes/train`` at ``global_step``.
     Later, shapes are recorded again when the batch's shapes change and every ``log_every_n_steps``
     optimizer steps; a table unlike every one logged in this fit is printed and logged. Only training
-    steps are recorded, not activation checkpointing's recompute; recorded batches run
-    ``torch.compile``'d code eagerly, so that the hooks fire.
+    steps are recorded, not activation checkpointing's recompute. A recorded batch runs
+    ``torch.compile``'d code eagerly, so that the hooks fire: with a compiled region, shapes are
+    recorded on the first step and when the batch's shapes change, not every ``log_every_n_steps``.
 
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
@@ -107,7 +108,8 @@ class ShapeLogger(HookCallback):
         batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        due = bool(self._modules) and (not self._logged or changed or self.due_step(trainer) is not None)
+        periodic = not self._compiled and self.due_step(trainer) is not None  # compiled: no eager step for it
+        due = bool(self._modules) and (not self._logged or changed or periodic)
         if due and self.gate.begin(trainer.global_step, due=True):
             self._batch = signature(batch)
             self._recorder.clear()

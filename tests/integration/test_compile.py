@@ -229,3 +229,21 @@ def test_health_monitor_beside_a_compiled_region_says_what_it_leaves_out(tmp_pat
     assert scalars(tmp_path, "health/dead_units") == {0: 0.0, 1: 0.0, 2: 0.0}
     assert run.breaks == 0
     assert hook_state(model) == before
+
+
+def test_shape_logger_leaves_a_compiled_region_compiled_while_batch_shapes_stay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A re-check is due on every step, but batches keep their shape (64 samples in batches of 16): only step 0 runs
+    # the region eagerly, to record it; every other step runs its one compiled graph.
+    model = CompiledBody(n=64)
+    warm_up(model)
+    shapes = ShapeLogger()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        run = fit(tmp_path, model, [shapes], max_steps=6, log_every_n_steps=1, logger=False)
+    compiled_calls = [e for e in profiler.events() if e.name.startswith("Torch-Compiled Region")]
+    assert len(compiled_calls) == 5
+    assert (run.graphs, run.breaks) == (0, 0)  # the graph compiled by the warm-up served every compiled step
+    printed = capsys.readouterr().out
+    assert printed.count("ShapeLogger: CompiledBody · step 0") == 1  # the region's modules recorded, once
+    assert "body.fc1" in printed
