@@ -202,7 +202,7 @@ class StatsCallback(HookCallback):
         types: list[str] | None,
         max_depth: int | None,
         figure_every_n_steps: int | None = None,
-        figures: bool = True,
+        figures: bool | None = None,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps, include=include, exclude=exclude, types=types, max_depth=max_depth
@@ -211,14 +211,15 @@ class StatsCallback(HookCallback):
         _validate.positive_int(
             owner, "figure_every_n_steps", figure_every_n_steps, none=f"{FIGURE_PERIOD_FACTOR} × the logging period"
         )
-        self.figures = _validate.boolean(owner, "figures", figures)
-        if not figures and figure_every_n_steps is not None:
+        self.figures = None if figures is None else _validate.boolean(owner, "figures", figures)
+        if figures is False and figure_every_n_steps is not None:
             raise ValueError(
                 f"`{owner}` got `figure_every_n_steps={figure_every_n_steps}` with `figures=False`; give a figure "
-                f"period only when figures are drawn, or leave `figures=True`."
+                f"period only when figures are drawn, or leave `figures` out."
             )
         self.figure_every_n_steps = figure_every_n_steps
-        self._dashboard = Dashboard(owner, self._sink, figure_every_n_steps, self.figures)
+        asked = figures is True or figure_every_n_steps is not None
+        self._dashboard = Dashboard(owner, self._sink, figure_every_n_steps, figures is not False, asked)
         self.stats = _validate.subset(owner, "stats", stats, allowed_stats) or list(allowed_stats)
         self.histograms = _validate.boolean(owner, "histograms", histograms)
         self._batch = StatBatch(self.bins)

@@ -41,9 +41,14 @@ class Dashboard:
     training batch, writes the layout and, on multiples of the figure period, draws the figures of the rows handed
     over by :meth:`add_rows` (rank zero, for loggers that show images; else one warning if a period was given)."""
 
-    def __init__(self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True) -> None:
+    def __init__(
+        self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True, asked: bool = False
+    ) -> None:
         self.owner, self.sink, self.figure_every_n_steps = owner, sink, figure_every_n_steps
         self.figures = figures
+        self.asked = asked
+        """Whether the user asked for figures (``figures=True`` or a period): only then is a missing matplotlib
+        worth a warning."""
         self._rows: dict[str, Rows] = {}
         self._step: int | None = None
         self._can_draw = True
@@ -102,10 +107,11 @@ class Dashboard:
             _figures.require()
         except ImportError:
             self._can_draw = False
-            rank_zero_warn(
-                f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
-                f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
-            )
+            if self.asked:
+                rank_zero_warn(
+                    f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
+                    f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
+                )
             return
         started = time.monotonic()
         for prefix, prefix_rows in rows.items():

@@ -69,7 +69,9 @@ class GradStats(StatsCallback):
             ``None``: every 10 logging periods, skipping figures that would make drawing them take
             over 1 % of the fit's time (the last skipped one is drawn when training ends).
             Needs matplotlib (the ``plots`` extra).
-        figures: ``False`` draws no figure at all, so matplotlib is never loaded; everything else is logged.
+        figures: ``None`` draws the figures when matplotlib is installed and says nothing when it is not;
+            ``True`` also warns once when it is not (as a ``figure_every_n_steps`` does); ``False`` draws no
+            figure at all, so matplotlib is never loaded. Everything else is logged either way.
 
     Example::
 
@@ -91,7 +93,7 @@ class GradStats(StatsCallback):
         types: list[str] | None = None,
         max_depth: int | None = None,
         figure_every_n_steps: int | None = None,
-        figures: bool = True,
+        figures: bool | None = None,
     ) -> None:
         super().__init__(
             log_every_n_steps=log_every_n_steps,

@@ -187,6 +187,22 @@ def test_without_matplotlib_training_goes_on_with_one_warning_per_callback(tmp_p
     assert metadata.CONFIG_SUMMARY_TAG in tags["tensors"]
 
 
+@pytest.mark.usefixtures("no_matplotlib")
+def test_without_matplotlib_figures_nobody_asked_for_are_skipped_without_a_word(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    make_trainer(tmp_path, [GradStats(), ActivationStats()], max_steps=11, log_every_n_steps=1).fit(TinyNet())
+    assert not [str(w.message) for w in recwarn if "matplotlib" in str(w.message)]
+    assert {"grad_norm/fc1.weight", "act_zero_frac/act"} <= set(events(tmp_path).Tags()["scalars"])
+
+
+@pytest.mark.usefixtures("no_matplotlib")
+def test_without_matplotlib_figures_asked_for_with_figures_true_are_warned_about_once(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=re.escape("pip install 'lightning-hooks[plots]'")) as record:
+        make_trainer(tmp_path, [GradStats(figures=True)], max_steps=11, log_every_n_steps=1).fit(TinyNet())
+    assert sum("matplotlib" in str(w.message) for w in record) == 1
+
+
 def test_other_loggers_get_no_layout_and_one_warning_about_figures_that_were_asked_for(tmp_path: Path) -> None:
     trainer = make_trainer(
         tmp_path, [GradStats(figure_every_n_steps=1)], logger=False, max_steps=3, log_every_n_steps=1
