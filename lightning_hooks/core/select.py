@@ -74,8 +74,9 @@ def _str_list(owner: str, arg: str, value: object) -> list[str] | None:
 
 
 def _few(names: Sequence[str], near: str = "", n: int = 8) -> str:
-    close = difflib.get_close_matches(near, names, n=n, cutoff=0.4) if near else []
-    shown = (close + [x for x in names if x not in close])[:n]
+    """Up to ``n`` of ``names``, those close to ``near`` first, each group in the order given."""
+    close = set(difflib.get_close_matches(near, names, n=n, cutoff=0.4)) if near else set()
+    shown = ([x for x in names if x in close] + [x for x in names if x not in close])[:n]
     more = f", ... ({len(names) - len(shown)} more)" if len(names) > len(shown) else ""
     return ", ".join(repr(x) for x in shown) + more
 
@@ -136,12 +137,14 @@ class ModuleSelector:
         for pattern in self.include or []:
             if not any(fnmatchcase(name, pattern) for name in names):
                 raise ValueError(
-                    f"`{self.owner}` got `include=[..., {pattern!r}, ...]`, which matches no module of "
+                    f"`{self.owner}` got `include={self.include!r}`; {pattern!r} matches no module of "
                     f"{type(model).__name__}. Qualified module names look like: {_few(names, pattern)} "
                     f"('' is the model itself; patterns use fnmatch syntax, e.g. 'encoder.*')."
                 )
         if self.types is not None:
-            present = sorted({cls.__name__ for _, m in candidates for cls in type(m).__mro__})
+            # the model's own classes in model order, then the classes they derive from
+            own = list(dict.fromkeys(type(m).__name__ for _, m in candidates))
+            present = own + sorted({c.__name__ for _, m in candidates for c in type(m).__mro__} - set(own))
             missing = [t for t in self.types if t not in present]
             if missing:
                 raise ValueError(

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -48,13 +50,27 @@ def test_selection(kwargs: dict, expected: list[str]) -> None:
 
 def test_include_matching_nothing_lists_valid_names() -> None:
     selector = ModuleSelector(include=["stem.cnv"], owner="ShapeLogger")
-    with pytest.raises(ValueError, match=r"`ShapeLogger` got `include=\[\.\.\., 'stem.cnv'.*'stem.conv'"):
+    with pytest.raises(
+        ValueError, match=r"`ShapeLogger` got `include=\['stem.cnv'\]`; 'stem.cnv' matches no module.*'stem.conv'"
+    ):
         selector.select(Net())
 
 
-def test_type_absent_from_model_lists_present_types() -> None:
+def test_a_pattern_is_shown_as_written_and_names_in_model_order() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(6)))
+    with pytest.raises(ValueError, match="matches no module") as error:
+        ModuleSelector(include=["encoder.*"], owner="GradStats").select(model)
+    message = str(error.value)
+    assert message.startswith("`GradStats` got `include=['encoder.*']`; 'encoder.*' matches no module of Sequential.")
+    assert "'', '0', '1', '2', '3', '4', '5'" in message
+
+
+def test_type_absent_from_model_lists_the_models_own_classes_first() -> None:
     selector = ModuleSelector(types=["LSTM"], owner="GradClamp")
-    with pytest.raises(ValueError, match=r"has no module of type 'LSTM'.*'Linear'"):
+    own = "'Net', 'Block', 'Conv2d', 'BatchNorm2d', 'Sequential', 'Linear', 'Module'"  # then the base classes
+    with pytest.raises(
+        ValueError, match=re.escape(f"has no module of type 'LSTM'. Types in this model include: {own}")
+    ):
         selector.select(Net())
 
 
