@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -28,7 +28,15 @@ from lightning_hooks.stats.state import STATS
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["HookCallback", "StatsCallback", "loss_scaler", "metrics", "refuse_sharded", "report_silent_modules"]
+__all__ = [
+    "HookCallback",
+    "StatsCallback",
+    "loss_scaler",
+    "metrics",
+    "note_recorded",
+    "refuse_sharded",
+    "report_silent_modules",
+]
 
 
 def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
@@ -49,20 +57,41 @@ def refuse_sharded(strategy: object, what: str, fix: str) -> None:
         )
 
 
-_SILENT_REPORTED: weakref.WeakKeyDictionary[pl.Trainer, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
-"""Per Trainer, during a fit, the sets of silent modules already named (by any of its callbacks)."""
+class _Recorded:
+    """What the callbacks of one fit recorded: the modules they selected, those whose hooks fired, who recorded."""
+
+    def __init__(self) -> None:
+        self.selected: dict[str, nn.Module] = {}
+        self.fired: set[str] = set()
+        self.owners: list[str] = []
 
 
-def report_silent_modules(
-    trainer: pl.Trainer, selected: list[tuple[str, nn.Module]], fired: set[str], step: int
-) -> None:
-    """Warn, once per fit and set of names whichever callback finds them, about selected
-    modules whose hooks did not fire during a recorded training step (containers without a forward excepted)."""
-    silent = tuple(name for name, m in selected if name not in fired and type(m).forward is not nn.Module.forward)
-    reported = _SILENT_REPORTED.setdefault(trainer, set())
-    if not silent or silent in reported:
+_RECORDED: weakref.WeakKeyDictionary[pl.Trainer, _Recorded] = weakref.WeakKeyDictionary()
+
+
+def note_recorded(trainer: pl.Trainer, owner: str, selected: list[tuple[str, nn.Module]], fired: set[str]) -> None:
+    """After a recorded step: ``owner``'s selected modules and those whose hooks fired, kept until training ends."""
+    recorded = _RECORDED.setdefault(trainer, _Recorded())
+    for name, module in selected:
+        recorded.selected.setdefault(name, module)
+    recorded.fired |= fired
+    if owner not in recorded.owners:
+        recorded.owners.append(owner)
+
+
+def report_silent_modules(trainer: pl.Trainer) -> None:
+    """When training ends, once for all callbacks: warn about the selected modules that ran in no recorded step
+    (containers without a forward, and a LightningModule whose ``forward`` is Lightning's pass-through, excepted)."""
+    recorded = _RECORDED.pop(trainer, None)
+    if recorded is None:
         return
-    reported.add(silent)
+    silent = [
+        name
+        for name, m in recorded.selected.items()
+        if name not in recorded.fired and type(m).forward not in (nn.Module.forward, LightningModule.forward)
+    ]
+    if not silent:
+        return
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
     compile_hint = ""
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.lightning_module.modules()):
@@ -72,10 +101,10 @@ def report_silent_modules(
             "instead, whose regions are observed. "
         )
     rank_zero_warn(
-        f"lightning_hooks: {len(silent)} selected module(s) never ran in training step {step}, so there is nothing "
-        f"to show for them: {shown}. {compile_hint}Other causes: a module unused in `forward`, or a fused fast path "
-        f"that skips submodules (`nn.TransformerEncoder` in eval mode). Leave them out with `exclude=[...]` or "
-        f"`types=[...]` to silence this."
+        f"lightning_hooks ({', '.join(recorded.owners)}): {len(silent)} selected module(s) never ran in any training "
+        f"step they recorded in this fit, so there is nothing to show for them: {shown}. {compile_hint}Other causes: "
+        f"a module unused in `forward`, or a fused fast path that skips submodules (`nn.TransformerEncoder` in eval "
+        f"mode). Leave them out with `exclude=[...]` or `types=[...]` to silence this."
     )
 
 
@@ -164,9 +193,13 @@ class HookCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Checkpointed state was restored before this hook: keep it, only start the hooks afresh.
         self._remove_hooks()
-        _SILENT_REPORTED.pop(trainer, None)  # every callback starts the fit before any step is recorded
+        _RECORDED.pop(trainer, None)  # every callback starts the fit before any step is recorded
         self._modules = self.selector.select(pl_module)
         self._attach(trainer, pl_module, self._modules)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report_silent_modules(trainer)  # every step is recorded by now, by every callback
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,7 +261,6 @@ class StatsCallback(HookCallback):
         self._enabled = True
         self._fired: set[str] = set()
         """Names of the selected modules whose recorder hooks ran in this fit."""
-        self._fired_checked = False
 
     def _start_step(self) -> None:
         """A logging step begins (its first micro-batch)."""
@@ -243,16 +275,13 @@ class StatsCallback(HookCallback):
         raise NotImplementedError
 
     def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
-        """After the first recorded step of a fit, name the selected modules whose hooks never fired."""
-        if not self._fired_checked:
-            self._fired_checked = True
-            report_silent_modules(trainer, self._modules, self._fired, step)
+        """After a recorded step: which selected modules ran (named at the end of training if some never did)."""
+        note_recorded(trainer, type(self).__name__, self._modules, self._fired)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self._batch.clear()
         self._fired.clear()
-        self._fired_checked = False
         self._pending.clear()
         self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
@@ -311,6 +340,7 @@ class StatsCallback(HookCallback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._enabled:
             self._dashboard.finish(trainer)
+        super().on_train_end(trainer, pl_module)
 
     def _across(self, trainer: pl.Trainer, groups: set[str]) -> Across | None:
         """How to pool the states of ``groups`` over ranks (``None`` in one process); every rank must fetch with it."""

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, refuse_sharded, report_silent_modules
+from lightning_hooks.callbacks.base import StatsCallback, note_recorded, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient
 from lightning_hooks.core.compiled import Region
@@ -311,9 +311,7 @@ class HealthMonitor(StatsCallback):
     @override
     def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
         # Only the leaves are hooked: a container that ran is not "silent".
-        if not self._fired_checked:
-            self._fired_checked = True
-            report_silent_modules(trainer, self._leaves, self._fired, step)
+        note_recorded(trainer, "HealthMonitor", self._leaves, self._fired)
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:

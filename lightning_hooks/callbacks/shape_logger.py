@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, report_silent_modules
+from lightning_hooks.callbacks.base import HookCallback, note_recorded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import has_compiled, run_eager
 from lightning_hooks.core.nested import Signature, format_signature, leaf_shapes, signature
@@ -129,8 +129,7 @@ class ShapeLogger(HookCallback):
         step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
         assert step is not None
         recorder.active = False
-        if not self._logged:  # the first table of this fit
-            report_silent_modules(trainer, self._modules, {row.name for row in recorder.rows}, step)
+        note_recorded(trainer, "ShapeLogger", self._modules, {row.name for row in recorder.rows})
         table = recorder.table()
         digest = hashlib.sha1(repr(table).encode()).hexdigest()[:16]
         if table and digest not in self._logged:

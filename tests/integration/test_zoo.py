@@ -107,6 +107,31 @@ def test_the_never_ran_warning_comes_once_per_fit_not_once_per_process(tmp_path:
         assert len(never) == 1, run
 
 
+class Routed(ZooModule):
+    """No ``forward`` of its own (``training_step`` calls the layers, Lightning's pass-through ``forward`` is never
+    called); ``late`` runs from step 3 on, like an expert the router picks late; ``spare`` never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early, self.late, self.spare = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((self.late if self.global_step >= 3 else self.early)(x))
+
+
+def test_never_ran_is_judged_over_the_whole_fit_once_for_every_callback(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callbacks = [ShapeLogger(), GradStats(), ActivationStats()]
+        make_trainer(tmp_path, callbacks, max_steps=4, log_every_n_steps=1).fit(Routed())
+    never = [str(w.message) for w in caught if "never ran" in str(w.message)]
+    # Before: warned after step 0, naming `root` (the pass-through forward) and `late` (not yet routed), twice.
+    assert len(never) == 1, never
+    assert never[0].startswith("lightning_hooks (ShapeLogger, GradStats, ActivationStats): 1 selected module(s)")
+    assert "nothing to show for them: spare." in never[0]
+
+
 class StackNet(ZooModule):
     """Blocks kept in an ``nn.ModuleList`` and ``nn.ModuleDict``, which are iterated, never called."""
 
