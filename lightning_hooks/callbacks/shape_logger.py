@@ -74,6 +74,8 @@ class ShapeLogger(HookCallback):
         self._logged: set[str] = set()
         self._last_batch: tuple[torch.Size, ...] | None = None
         self._batch: Signature = ()
+        self._printed_batch: Signature | None = None
+        """The batch of the last table printed in this fit."""
         self._params: dict[str, int] = {}
         self._compiled = False
         """Whether some selected module is inside a compiled region: recorded steps then run it eagerly."""
@@ -83,6 +85,7 @@ class ShapeLogger(HookCallback):
         self._recorder = ShapeRecorder()
         self._params = {name: parameter_count(module) for name, module in modules}
         self._last_batch = None
+        self._printed_batch = None
         self._compiled = has_compiled(pl_module, modules)
 
     @override
@@ -135,6 +138,11 @@ class ShapeLogger(HookCallback):
         if table and digest not in self._logged:
             self._logged.add(digest)
             header = f"{type_label(pl_module)} · step {step} · batch {format_signature(self._batch)}"
-            echo(f"ShapeLogger: {header}\n{format_table(recorder.rows, self.collapse_repeats)}")
+            if self._printed_batch is not None:  # say why there is another table
+                before = format_signature(self._printed_batch)
+                changed = self._batch != self._printed_batch
+                header += f" (batch shapes changed from {before})" if changed else " (shapes inside the model changed)"
+            self._printed_batch = self._batch
+            echo(f"ShapeLogger: {header}\n{format_table(recorder.rows, self.collapse_repeats)}", trainer)
             self._sink.table(trainer, TAG, *shape_table(recorder.rows, self.collapse_repeats), step, caption=header)
         recorder.clear()

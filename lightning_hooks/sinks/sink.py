@@ -24,9 +24,14 @@ _Rows = Sequence[Sequence[Cell]]
 
 
 @rank_zero_only
-def echo(text: str) -> None:
-    """Print on global rank zero only."""
-    print(text, flush=True)
+def echo(text: str, trainer: pl.Trainer | None = None) -> None:
+    """Print on global rank zero only: through ``trainer``'s progress bar when it has one (during a batch, so that the
+    text starts on its own line and the bar is drawn again below it), else plainly."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None:
+        bar.print(text)
+    else:
+        print(text, flush=True)
 
 
 class Sink:

@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import nn
 
 from lightning_hooks import ShapeLogger, trace_shapes
@@ -25,6 +26,30 @@ def test_first_step_prints_and_logs_the_table(tmp_path: Path, capsys: pytest.Cap
     assert "| fc1 | Linear | [16, 4] | [16, 8] | 40 |" in logged[0]
 
 
+def test_a_second_table_says_why_it_was_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 40 samples in batches of 16: step 2's batch has 8 rows, so its table differs.
+    make_trainer(tmp_path, [ShapeLogger(log_every_n_steps=1)], max_steps=3).fit(TinyNet())
+    headers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ShapeLogger: ")]
+    assert headers == [
+        "ShapeLogger: TinyNet · step 0 · batch 0: [16, 4], 1: [16]",
+        "ShapeLogger: TinyNet · step 2 · batch 0: [8, 4], 1: [8] (batch shapes changed from 0: [16, 4], 1: [16])",
+    ]
+    assert texts(tmp_path, "shapes/train")[2].startswith("**TinyNet · step 2 · batch 0: [8, 4], 1: [8] (batch shapes")
+
+
+def test_with_a_progress_bar_the_table_starts_on_its_own_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Lightning's TQDM bar draws on stdout; printed plainly, the table was glued to it: "...it/s]ShapeLogger: ...".
+    # Through the bar, the line is cleared first ("\r", blanks, "\r"), as a terminal shows it.
+    bar = TQDMProgressBar()
+    make_trainer(tmp_path, [ShapeLogger(), bar], max_steps=2, enable_progress_bar=True).fit(TinyNet())
+    out = capsys.readouterr().out
+    assert "Epoch 0:" in out  # the bar was drawn
+    assert re.search(r"\r *\rShapeLogger: TinyNet · step 0", out)
+    assert not re.search(r"[^\r\n]ShapeLogger: ", out)
+
+
 def test_reused_module_gets_a_row_per_call_in_execution_order(tmp_path: Path) -> None:
     make_trainer(tmp_path, [ShapeLogger()], max_steps=1).fit(TinyNet())
     rows = [line.split(" | ")[0].lstrip("| ") for line in texts(tmp_path, "shapes/train")[0].splitlines()[4:]]
@@ -36,8 +61,9 @@ def test_logs_again_only_for_a_new_table(tmp_path: Path, capsys: pytest.CaptureF
     make_trainer(tmp_path, [ShapeLogger(log_every_n_steps=1)], max_steps=6).fit(TinyNet())
     logged = texts(tmp_path, "shapes/train")
     assert list(logged) == [0, 2]
-    assert "[8, 4]" in logged[2]
-    assert "[16, 4]" not in logged[2]
+    table = logged[2].split("\n\n", 1)[1]  # below the header, which says what changed
+    assert "[8, 4]" in table
+    assert "[16, 4]" not in table
     assert capsys.readouterr().out.count("ShapeLogger:") == 2
 
 
