@@ -202,9 +202,19 @@ def _cells(rows: list[ShapeRow], collapse: bool) -> list[tuple[str, ...]]:
     ]
 
 
+CELL_MAX = 48
+"""The widest cell of the printed table: a longer one (a call with many arguments) is cut short with "…"; the
+markdown table that loggers get keeps it whole."""
+
+
+def _short(cell: str) -> str:
+    return cell if len(cell) <= CELL_MAX else cell[: CELL_MAX - 1] + "…"
+
+
 def format_table(rows: list[ShapeRow], collapse: bool = True) -> str:
-    """A plain-text table with aligned columns, for the terminal; ``collapse`` as in :func:`collapse_repeats`."""
-    cells = [_HEADER, *_cells(rows, collapse)]
+    """A plain-text table with aligned columns, for the terminal, each cell at most :data:`CELL_MAX` characters;
+    ``collapse`` as in :func:`collapse_repeats`."""
+    cells = [_HEADER, *(tuple(_short(c) for c in row) for row in _cells(rows, collapse))]
     widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADER))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

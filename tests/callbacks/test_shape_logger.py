@@ -223,3 +223,21 @@ def test_which_runs_collapse(model: nn.Module, expected: list[str]) -> None:
     rows = trace_shapes(model, torch.zeros(2, 4))
     assert [re.split(r"\s{2,}(?!×)", line)[0] for line in format_table(rows).splitlines()[2:]] == expected
     assert len(format_table(rows, collapse=False).splitlines()) == 2 + len(rows)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_call_with_many_arguments_keeps_the_printed_row_readable() -> None:
+    rows = trace_shapes(Attention(), torch.zeros(16, 10, 8))
+    printed = format_table(rows)
+    assert max(len(line) for line in printed.splitlines()) <= 120, printed
+    cell = next(line for line in printed.splitlines() if line.startswith("attn ")).split("  ")
+    assert any(c.endswith("…") for c in cell)  # cut short in the terminal ...
+    assert "need_weights: bool" in format_markdown(rows)  # ... whole in the loggers' table
