@@ -241,11 +241,11 @@ class StatsCallback(HookCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         raise NotImplementedError
 
-    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
-        """After the first recorded step of a fit, name the selected modules whose hooks never fired."""
+    def _check_fired(self, trainer: pl.Trainer, step: int, hooked: list[tuple[str, nn.Module]] | None = None) -> None:
+        """After the first recorded step of a fit, name the ``hooked`` modules (default: selected) that never ran."""
         if not self._fired_checked:
             self._fired_checked = True
-            report_silent_modules(trainer, self._modules, self._fired, step)
+            report_silent_modules(trainer, self._modules if hooked is None else hooked, self._fired, step)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -292,7 +292,7 @@ class StatsCallback(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._step_handles.remove()
+        self._step_handles.remove()  # and an update-ratio hook that a skipped (AMP overflow) optimizer step left
         # Also on quiet batches: another callback may have switched on a compiled region this one hooks into.
         self._pending.pour(self._batch, self._fired)
         if not self.gate.is_open:  # a quiet batch: nothing was recorded
