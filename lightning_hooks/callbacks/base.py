@@ -117,8 +117,7 @@ class HookCallback(Callback):
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
     def due_step(self, trainer: pl.Trainer) -> int | None:
-        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`. For the
-        training-batch hooks: ``trainer.training`` is not checked."""
+        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step` (for batch hooks)."""
         step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
 
@@ -225,8 +224,7 @@ class StatsCallback(HookCallback):
         self._pending = Pending()
         self._eager_modules: list[tuple[str, nn.Module]] = []
         self._enabled = True
-        self._fired: set[str] = set()
-        """Names of the selected modules whose recorder hooks ran in this fit."""
+        self._fired: set[str] = set()  # the selected modules whose recorder hooks ran in this fit
         self._fired_checked = False
 
     def _start_step(self) -> None:

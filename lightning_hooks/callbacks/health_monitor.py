@@ -402,8 +402,7 @@ class HealthMonitor(StatsCallback):
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
-    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` in the same Trainer found after step
-    ``after``, up to ``step``."""
+    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` of the Trainer found in ``(after, step]``."""
     from lightning_hooks.callbacks.nonfinite_guard import NonFiniteGuard
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -414,13 +413,8 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 
 
 class _LossRing:
-    """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
-
-    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch; at most
-    ``size`` steps are kept. On a CPU, where reading the loss costs nothing, a quiet step's norms are taken only
-    when its loss reaches ``halfway`` (set after each check) or is not finite: only such a step can be a spike,
-    whose layer they name. On an accelerator they are taken on every step, since deciding would wait for it.
-    """
+    """The last ``size`` optimizer steps' losses and per-parameter gradient norms, kept on device until
+    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite."""
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
         self.params, self.size = params, size
