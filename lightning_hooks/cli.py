@@ -13,9 +13,8 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 
 
 def main(args: ArgsType = None) -> None:
-    """The console script: ``LightningCLI``, in subclass mode for the model and the data module, runs ``args``
-    (default: the command line) with the working directory first on ``sys.path``, as ``python -m`` puts it, so that
-    the class paths of the project it is run from (``examples.digits.DigitsCNN``) import."""
+    """``LightningCLI`` in subclass mode for the model and the data module runs ``args`` (default: the command line),
+    with the working directory first on ``sys.path``, so that ``examples.digits.DigitsCNN`` imports from a project."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     LightningCLI(

@@ -146,8 +146,7 @@ class HookCallback(Callback):
         return self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 50
 
     def due_step(self, trainer: pl.Trainer) -> int | None:
-        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step`. For the
-        training-batch hooks: ``trainer.training`` is not checked."""
+        """The optimizer step if this is a logging step, else ``None``; kept in :attr:`batch_step` (for batch hooks)."""
         step = self.batch_step = trainer.global_step
         return step if step % self.every(trainer) == 0 else None
 
@@ -259,8 +258,7 @@ class StatsCallback(HookCallback):
         self._pending = Pending()
         self._eager_modules: list[tuple[str, nn.Module]] = []
         self._enabled = True
-        self._fired: set[str] = set()
-        """Names of the selected modules whose recorder hooks ran in this fit."""
+        self._fired: set[str] = set()  # the selected modules whose recorder hooks ran in this fit
 
     def _start_step(self) -> None:
         """A logging step begins (its first micro-batch)."""
@@ -274,9 +272,10 @@ class StatsCallback(HookCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         raise NotImplementedError
 
-    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
-        """After a recorded step: which selected modules ran (named at the end of training if some never did)."""
-        note_recorded(trainer, type(self).__name__, self._modules, self._fired)
+    def _check_fired(self, trainer: pl.Trainer, step: int, hooked: list[tuple[str, nn.Module]] | None = None) -> None:
+        """After a recorded step: which of the ``hooked`` modules (default: selected) ran; those that never did are
+        named when training ends."""
+        note_recorded(trainer, type(self).__name__, self._modules if hooked is None else hooked, self._fired)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -322,7 +321,7 @@ class StatsCallback(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._step_handles.remove()
+        self._step_handles.remove()  # and an update-ratio hook that a skipped (AMP overflow) optimizer step left
         # Also on quiet batches: another callback may have switched on a compiled region this one hooks into.
         self._pending.pour(self._batch, self._fired)
         if not self.gate.is_open:  # a quiet batch: nothing was recorded

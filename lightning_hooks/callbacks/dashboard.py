@@ -37,9 +37,8 @@ FIGURE_TIME_SHARE = 0.01
 
 
 class Dashboard:
-    """The custom-scalars layout and the figures of one statistics callback: :meth:`publish`, at the end of every
-    training batch, writes the layout and, on multiples of the figure period, draws the figures of the rows handed
-    over by :meth:`add_rows` (rank zero, for loggers that show images; else one warning if a period was given)."""
+    """The custom-scalars layout and the figures of one statistics callback, written by :meth:`publish` after every
+    training batch: figures of the rows from :meth:`add_rows` on multiples of the figure period, for image loggers."""
 
     def __init__(
         self, owner: str, sink: Sink, figure_every_n_steps: int | None, figures: bool = True, asked: bool = False

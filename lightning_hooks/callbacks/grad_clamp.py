@@ -78,10 +78,8 @@ class GradClamp(HookCallback):
         )
         self._clamper = GradClamper(self.value)
         self._params: list[nn.Parameter] = []
-        self._sharded = False
-        """Whether some parameter is sharded (FSDP2): the clamped count is then summed over processes."""
-        self._per_backward = False
-        """Whether each backward pass gets its clamp in ``on_before_backward``, as it ends."""
+        self._sharded = False  # some parameter is sharded (FSDP2): the clamped count is summed over processes
+        self._per_backward = False  # each backward pass gets its clamp in `on_before_backward`, as it ends
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -149,8 +147,7 @@ class GradClamp(HookCallback):
         self._clamper.unsharded.clear()
         if not self.gate.is_open:  # a quiet batch: nothing was counted
             return
-        # Emit once the optimizer has stepped, so that every micro-batch of the step is counted.
-        step = self.gate.end(trainer.global_step)
+        step = self.gate.end(trainer.global_step)  # once the optimizer has stepped: every micro-batch counted
         if step is not None:
             fraction = self._clamper.count.fraction(partial(_summed, trainer.strategy) if self._sharded else None)
             if fraction is not None:

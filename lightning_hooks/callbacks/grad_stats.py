@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from typing_extensions import override
@@ -10,7 +10,6 @@ from typing_extensions import override
 from lightning_hooks.callbacks.base import StatsCallback, loss_scaler, metrics, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import Region
-from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.select import trainable_parameters
 from lightning_hooks.core.shards import is_sharded
 from lightning_hooks.recorders.gradients import OutputGradRecorder, ParamGradRecorder, update_ratio
@@ -113,9 +112,7 @@ class GradStats(StatsCallback):
         if not (param_grads or output_grads):
             raise ValueError("`GradStats` got `param_grads=False` and `output_grads=False`; enable at least one.")
         self._params: list[tuple[str, nn.Parameter]] = []
-        self._sharded = False
-        """Whether some parameter is sharded (FSDP2): parameter states are then pooled across processes."""
-        self._ratio_handles = HookHandles()
+        self._sharded = False  # some parameter is sharded (FSDP2): its states are pooled across processes
         self._outputs = OutputGradRecorder(self._batch, fired=self._fired)
         self._grads = ParamGradRecorder(self._batch, self.histograms, update_ratio)
 
@@ -134,7 +131,6 @@ class GradStats(StatsCallback):
 
     @override
     def _detach(self) -> None:
-        self._ratio_handles.remove()
         super()._detach()
         self._params = []
 
@@ -158,15 +154,7 @@ class GradStats(StatsCallback):
     ) -> None:
         # With several optimizers (manual optimization) each reads the parameters it is about to update.
         if self.param_grads and self._enabled and self.gate.is_open:
-            self._grads.record(self._params, optimizer, self._ratio_handles)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        # A skipped optimizer step (AMP overflow) never calls the update-ratio hook: drop it here.
-        self._ratio_handles.remove()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self._grads.record(self._params, optimizer, self._step_handles)
 
     @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:

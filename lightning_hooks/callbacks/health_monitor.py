@@ -9,11 +9,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, note_recorded, refuse_sharded
+from lightning_hooks.callbacks.base import StatsCallback, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient
 from lightning_hooks.core.compiled import Region
-from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, local
@@ -157,7 +156,6 @@ class HealthMonitor(StatsCallback):
         self._gradless: bool | None = None
         self._softmax: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
-        self._ratio_handles = HookHandles()
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._owner: dict[str, str] = {}
@@ -229,7 +227,6 @@ class HealthMonitor(StatsCallback):
 
     @override
     def _detach(self) -> None:
-        self._ratio_handles.remove()
         super()._detach()
         self._leaves, self._params, self._ring = [], [], None
 
@@ -278,7 +275,7 @@ class HealthMonitor(StatsCallback):
                 stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
                 self._adaptive.update(layer for layer in stepped if layer is not None)
             self._record_grads(optimizer)
-            self._grads.record(self._params, optimizer, self._ratio_handles)
+            self._grads.record(self._params, optimizer, self._step_handles)
 
     def _step_now(self) -> int:
         """The current batch's optimizer step, read once at its start: the recorded one, or :meth:`due_step`'s."""
@@ -296,27 +293,15 @@ class HealthMonitor(StatsCallback):
             self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._ratio_handles.remove()  # a skipped optimizer step (AMP overflow) never calls the update-ratio hook
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_end(trainer, pl_module)
         if self._enabled:
             echo(summary(self.findings, trainer.global_step))
 
     @override
-    def _check_fired(self, trainer: pl.Trainer, step: int) -> None:
-        # Only the leaves are hooked: a container that ran is not "silent".
-        note_recorded(trainer, "HealthMonitor", self._leaves, self._fired)
-
-    @override
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self._watch_outputs:
-            self._check_fired(trainer, step)
+            self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
@@ -403,9 +388,9 @@ class HealthMonitor(StatsCallback):
                 for k, v in vectors.items()
                 if k[0] == "sat"
             },
-            activations={layer: _pooled(states) for layer, states in outputs.items()},
+            activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
-            grads={layer: _pooled(states) for layer, states in params.items()},
+            grads={layer: combine(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,
             losses=losses,
@@ -416,13 +401,8 @@ class HealthMonitor(StatsCallback):
         )
 
 
-def _pooled(states: list[State]) -> State:
-    return states[0] if len(states) == 1 else combine(states)
-
-
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
-    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` in the same Trainer found after step
-    ``after``, up to ``step``."""
+    """``(layer, step, first line)`` of what a :class:`NonFiniteGuard` of the Trainer found in ``(after, step]``."""
     from lightning_hooks.callbacks.nonfinite_guard import NonFiniteGuard
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -433,13 +413,8 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 
 
 class _LossRing:
-    """Each optimizer step's loss and per-parameter gradient norms, kept on device until the next logging step.
-
-    :meth:`hand_over` puts the steps kept since the previous hand-over into the logging step's batch; at most
-    ``size`` steps are kept. On a CPU, where reading the loss costs nothing, a quiet step's norms are taken only
-    when its loss reaches ``halfway`` (set after each check) or is not finite: only such a step can be a spike,
-    whose layer they name. On an accelerator they are taken on every step, since deciding would wait for it.
-    """
+    """The last ``size`` optimizer steps' losses and per-parameter gradient norms, kept on device until
+    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite."""
 
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
         self.params, self.size = params, size

@@ -232,8 +232,7 @@ class NonFiniteGuard(HookCallback):
             self._step_handles.remove()
 
     def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
-        """Replay mode: check the step; if it failed, read what the check saw, replay the step, agree across ranks
-        and act."""
+        """Replay mode: check the step; if it failed, read what the check saw, replay it, agree across ranks, act."""
         # the flags the GradScaler set when it unscaled this optimizer's gradients
         scaler_state = self._scaler._per_optimizer_states.get(id(optimizer), {}) if self._scaler is not None else {}
         found_inf = list(scaler_state.get("found_inf_per_device", {}).values())

@@ -24,6 +24,5 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
 
 
 def dense_gradient(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as a strided tensor: a sparse gradient (``nn.Embedding(sparse=True)``'s) in its dense form, zeros
-    included, which statistics and norms read (their kernels take no sparse tensor); any other as it is."""
+    """``grad`` as a strided tensor: a sparse one (``nn.Embedding(sparse=True)``'s) in dense form, zeros included."""
     return grad if grad.layout == torch.strided else grad.to_dense()

@@ -1,9 +1,7 @@
 """Observing hooks inside ``torch.compile``'d regions: registered once per fit, switched by a flag (pure torch).
 
-Each hook is :class:`Switched`: it runs only while its region's :class:`Switch` is on, so dynamo
-keeps a quiet graph and a logging one whose statistics come out in a :class:`Pending`. During a
-fit a region is called through a fresh entry point (:meth:`Region.enter`), compiled anew with the
-hooks; the last :meth:`Region.leave` restores the original and its cache.
+Dynamo keeps a quiet graph and a logging one, whose statistics come out in a :class:`Pending`. During a fit a
+region runs through a fresh entry point, compiled anew with the hooks; the last :meth:`Region.leave` restores it.
 """
 
 from __future__ import annotations

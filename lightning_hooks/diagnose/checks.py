@@ -1,8 +1,4 @@
-"""The health checks that judge one logging step's statistics alone (pure Python).
-
-Each takes a :class:`Snapshot` and the :class:`Thresholds` and returns the :class:`Evidence` it
-saw; :class:`~lightning_hooks.diagnose.health.HealthTracker` turns evidence into findings.
-"""
+"""The health checks that judge one logging step's statistics alone, each returning the :class:`Evidence` it saw."""
 
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ MIN_SAMPLES = 8
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
 PEER_GAP = 10.0
-"""``update_ratio`` names a layer above ``update_ratio_high`` only when it moves this many times more than its peers
-(or they all move too much): one small layer of a healthy SGD model may step by 10 %."""
+"""``update_ratio`` names a layer above ``update_ratio_high`` only when it moves this many times more than its peers."""
 SETTLED = 10
 """The optimizer step from which a run counts as past its first steps (references for growth are taken there)."""
 
@@ -57,26 +52,18 @@ class Thresholds:
 
 @dataclass
 class Snapshot:
-    """One logging step's statistics on the host, per layer (qualified names; ``""`` is the model).
-
-    ``order`` is the model's module order; ``activations`` and ``units`` (each output unit's sum
-    of squares: zero for a unit that was zero for every sample) are of leaf modules; ``grads``
-    pools each layer's parameter gradients; ``ratios`` is ``||Δw|| / ||w||`` per layer with
-    ``weights`` its ``||w||``; ``losses`` and ``norms`` are the steps since the previous snapshot,
-    each with its loss and the gradient norm of each parameter, ``norm_layers`` naming the layer
-    of each.
-    """
+    """One logging step's statistics on the host, per layer (qualified names; ``""`` is the model)."""
 
     step: int
-    order: Sequence[str]
-    activations: dict[str, State] = field(default_factory=dict)
-    units: dict[str, list[float]] = field(default_factory=dict)
-    grads: dict[str, State] = field(default_factory=dict)
-    ratios: dict[str, float] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
-    losses: list[tuple[int, float]] = field(default_factory=list)
-    norms: list[list[float]] = field(default_factory=list)
-    norm_layers: Sequence[str] = ()
+    order: Sequence[str]  # the model's module order
+    activations: dict[str, State] = field(default_factory=dict)  # of leaf modules
+    units: dict[str, list[float]] = field(default_factory=dict)  # per output unit, its sum of squares (0: dead)
+    grads: dict[str, State] = field(default_factory=dict)  # each layer's parameter gradients pooled
+    ratios: dict[str, float] = field(default_factory=dict)  # ||Δw|| / ||w|| per layer
+    weights: dict[str, float] = field(default_factory=dict)  # ||w|| per layer
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of each step since the last snapshot
+    norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
+    norm_layers: Sequence[str] = ()  # the layer of each of those parameters
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
@@ -114,12 +101,9 @@ def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
 
 
 def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
-    """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of every
-    step of the tracker's window; this step's alone by default).
-
-    Units are counted in parameter-free leaves; one right after a dead one (a pooling after a dead
-    ReLU) carries the same dead units on and is not named again; a layer with weights ends the chain.
-    """
+    """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of the
+    tracker's window; of this step by default). A layer right after a dead one (a pooling after a dead ReLU)
+    carries the same dead units on and is not named again; a layer with weights ends the chain."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False
@@ -219,9 +203,8 @@ def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = froz
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
     parameter group's learning rate is :data:`PEER_GAP` times the peers'.
 
-    Step 0, layers in ``skip`` (started at zero by design: their ratio says nothing) and layers under an
-    adaptive optimizer before step :data:`SETTLED` (its first steps move every weight by the learning rate) are
-    not judged.
+    Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
+    :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged.
     """
     if snap.step == 0:
         return []

@@ -1,5 +1,4 @@
-"""A non-finite finding as data, and its rendering as a report (pure Python; the recorder in
-:mod:`lightning_hooks.recorders.finite` detects)."""
+"""A non-finite finding as data, and its rendering as a report (pure Python)."""
 
 from __future__ import annotations
 
@@ -168,9 +167,8 @@ _PHASES: tuple[Phase, ...] = ("forward", "loss", "backward", "parameter")
 
 
 def first_finding(per_rank: Sequence[Finding | None]) -> Finding | None:
-    """The finding every rank reports, from what each rank found (index = rank): reproduced
-    before not, then by phase (forward, loss, backward, parameter), then the lowest rank; it
-    names its rank when there is more than one.
+    """The finding every rank reports, from what each rank found (index = rank): reproduced before not, then by
+    phase (forward, loss, backward, parameter), then the lowest rank; it names its rank when there is more than one.
 
     Example::
 

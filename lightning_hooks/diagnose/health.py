@@ -1,10 +1,4 @@
-"""Health checks over a logging step's statistics: what is wrong, in which layer, since when (pure Python).
-
-:class:`HealthTracker` applies every check to each logging step's :class:`Snapshot` and keeps one
-:class:`HealthFinding` per check and layers, whose ``last_step`` advances while it keeps holding.
-The checks that need one snapshot only are in :mod:`lightning_hooks.diagnose.checks`; rendering is
-in :mod:`lightning_hooks.diagnose.report`.
-"""
+"""Health checks over a logging step's statistics: what is wrong, in which layer, since when (pure Python)."""
 
 from __future__ import annotations
 
@@ -133,8 +127,7 @@ class HealthTracker:
         self._reference_loss: float | None = None
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
-        self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # per layer and logging step: its step,
-        # which units were silent, and how many samples each unit saw
+        self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
         self.affected: dict[str, int] = {}
@@ -232,11 +225,8 @@ class HealthTracker:
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
     def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
-        """The total gradient norm rising at ``patience`` or more logging steps in a row and ``norm_growth``-fold
-        since the rise began, or rising over consecutive steps until it overflowed.
-
-        A logging step's level is each layer's median norm over the steps since the previous one.
-        """
+        """The total gradient norm (per layer, its median since the last logging step) rising ``norm_growth``-fold
+        over ``patience`` or more logging steps in a row, or over consecutive steps until it overflowed."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
@@ -319,11 +309,8 @@ class HealthTracker:
         return found
 
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
-        """Each step whose loss lies ``spike_threshold`` robust deviations above the rolling median.
-
-        The steps since the previous logging step are judged against the history as it stood then;
-        a spike on the step right after another extends that finding.
-        """
+        """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
+        rolling median as it stood then; a spike on the step right after another extends that finding."""
         found = []
         level = self._level()
         for i, (step, loss) in enumerate(snap.losses):
@@ -364,11 +351,8 @@ class HealthTracker:
     def _spike(
         self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]
     ) -> Evidence:
-        """A spike at ``step``, named after the layers whose gradient norm jumped most.
-
-        A layer's jump is the smallest of its parameters' (each against its median over the window);
-        of the layers that jumped within :data:`ALIKE` of the largest, the nearest the output comes first.
-        """
+        """A spike at ``step``, named after the layers whose gradient norm jumped within :data:`ALIKE` of the most
+        (a layer's jump: the least of its parameters' against their window's median), nearest the output first."""
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
             past = [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])]

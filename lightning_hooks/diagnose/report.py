@@ -1,5 +1,4 @@
-"""How health findings (made in :mod:`lightning_hooks.diagnose.health`) read: the warning, the ``health/findings``
-table, the end-of-fit summary (pure Python)."""
+"""How health findings read: the warning, the ``health/findings`` table, the end-of-fit summary (pure Python)."""
 
 from __future__ import annotations
 

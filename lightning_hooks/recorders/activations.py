@@ -58,8 +58,7 @@ class ActivationRecorder:
 class _ActivationHook:
     def __init__(self, recorder: ActivationRecorder, name: str, into: StatBatch | Pending) -> None:
         self.recorder, self.name, self.into = recorder, name, into
-        self.key = recorder.keys.eager(name, "")
-        """The key of a bare tensor output."""
+        self.key = recorder.keys.eager(name, "")  # for a bare tensor output
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder, into = self.recorder, self.into
@@ -82,18 +81,15 @@ class _ActivationHook:
 
 
 class UnitRecorder:
-    """Per output unit of each parameter-free hooked module, the sum of squares of its values; and each other
-    hooked module's output's sum of squares.
+    """Per output unit of a parameter-free hooked module's outputs of two or more dimensions, the sum of squares of
+    its values (keys in :attr:`per_unit`); of any other output, its sum of squares.
 
-    A unit is a channel of a map (``(N, C, H, W)``, ``(N, C, D, H, W)``, ``(N, C, L)`` out of 1-d
-    convolutions and their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``). Each
-    floating-point output is one vector under ``("units", <layer>[.out.<path>])``: a sum per unit (keys
-    in :attr:`per_unit`) for modules without parameters and outputs of at least two dimensions, else
-    ``[sum of squares]``; pooled by ``+`` over calls, micro-batches and (fetched ``across``) processes.
-    ``samples`` counts how many values each unit of a key saw in this process since :meth:`start`;
-    ``order`` lists the modules in the order they first ran. A sigmoid, tanh or softmax module also
-    counts its saturated outputs (within 0.1 % of their bounds; a softmax's rows by their largest
-    value) under ``("sat", <layer>)``, out of ``saturable[<layer>]`` outputs.
+    A unit is a channel of a map (``(N, C, H, W)``, ``(N, C, D, H, W)``, ``(N, C, L)`` out of 1-d convolutions and
+    their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``). Each floating-point output is one vector
+    under ``("units", <layer>[.out.<path>])``, pooled by ``+`` over calls, micro-batches and (fetched ``across``)
+    processes; ``samples`` counts the values each unit of a key saw here since :meth:`start`, ``order`` the modules
+    as they first ran. Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their
+    bounds; a softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``.
 
     Example::
 

@@ -116,9 +116,8 @@ class GradClamper:
         handles: HookHandles,
         step_handles: HookHandles,
     ) -> None:
-        """Clamp, in backward, the unsharded gradients of those sharded ``params`` (FSDP2) that ``modules`` own, before
-        FSDP2 reduce-scatters them: a forward pre-hook on each module (in ``handles``) hooks its unsharded parameters
-        into ``step_handles``; remove those and clear :attr:`unsharded` at the end of each step."""
+        """Clamp the unsharded gradients of the sharded ``params`` (FSDP2) of ``modules`` before the reduce-scatter:
+        pre-hooks in ``handles`` hook them into ``step_handles``; remove those, clear :attr:`unsharded` each step."""
         wanted = {id(p) for p in params}
         for _, module in modules:
             names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]

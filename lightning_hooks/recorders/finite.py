@@ -108,8 +108,7 @@ class NonFiniteRecorder:
         self.batch_idx: int | None = None
         self.generation = 0
         self.keep: list[torch.Tensor] | None = None
-        """While a list (a replay), every tensor whose gradient is watched is also kept here, so
-        that backward can be asked for exactly those gradients; ``None`` otherwise."""
+        """While a list (a replay), every tensor whose gradient is watched, for backward to compute exactly those."""
         self.clear()
 
     def clear(self) -> None:
@@ -334,8 +333,7 @@ def finite_step(
 ) -> bool:
     """Whether a step is finite: every gradient, every loss, and no ``flag`` set (a ``GradScaler``'s ``found_inf``).
 
-    The tensors must share a device. A sum that overflows for finite values makes a healthy step
-    look bad (the replay then finds every value finite and says so).
+    The tensors must share a device. A sum that overflows for finite values makes a healthy step look bad.
 
     Example::
 

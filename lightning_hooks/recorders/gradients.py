@@ -56,11 +56,8 @@ class OutputGradRecorder:
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
     ) -> None:
-        """Hook modules inside compiled regions for a whole fit (see :mod:`lightning_hooks.core.compiled`).
-
-        While the region's switch is on, each output of a bare tensor or a flat tuple, list or dict
-        passes through ``grad_probe``, an identity operator whose backward hands the gradient here.
-        """
+        """Hook modules inside compiled regions for a whole fit: while the region's switch is on, each tensor of a bare
+        or flat tuple, list or dict output passes through ``grad_probe``, whose backward hands the gradient here."""
         for name, module, region in modules:
             region.settles(pending)
             slot = handles.add(RemovableHandle(_READERS))
@@ -72,10 +69,8 @@ class OutputGradRecorder:
 class _OutputGradHook:
     def __init__(self, recorder: OutputGradRecorder, name: str) -> None:
         self.recorder, self.name = recorder, name
-        self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))
-        """The reader of a bare tensor output's gradient."""
+        self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))  # for a bare tensor output
         self.first = _OutputOf(self.reader, 0)
-        """Its pre-hook on the node that made it, when the output is that node's first (as nearly always)."""
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
@@ -290,7 +285,6 @@ class _UpdateRatio:
             self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
             self.params = [(name, p) for name, p in params if not is_sharded(p)]
             tensors: list[torch.Tensor] = [p for _, p in self.params]
-            # -w, a copy (of torch's copying foreach ops, negation costs least on CPU)
             self.minus_before: list[torch.Tensor] = list(torch._foreach_neg(tensors)) if tensors else []
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -297,7 +297,7 @@ class MLflowBackend(Backend):
             step, held = self.histograms
             if step != data.step:
                 held = {}
-            held.update({tag: hist.as_dict() for tag, hist in data.histograms.items()})
+            held.update({tag: dataclasses.asdict(hist) for tag, hist in data.histograms.items()})
             self.histograms = (data.step, held)
             client.log_dict(run_id, {"step": data.step, "histograms": held}, f"histograms/step_{data.step}.json")
         for tag, text in data.markdown().items():

@@ -1,6 +1,5 @@
-"""TensorBoard event records checksummed in C: the bytes TensorBoard writes, with ``google-crc32c``'s CRC-32C; the
-one place that reaches into TensorBoard's writer, changing nothing when that writer is not built as expected
-(``tests/unit/test_events.py`` fails loudly then)."""
+"""TensorBoard event records checksummed in C (``google-crc32c``), byte for byte TensorBoard's: the one place that
+reaches into its writer, left alone when not built as expected (``tests/unit/test_events.py`` fails then)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,6 @@ def chart_groups(names: Sequence[str], max_lines: int = MAX_LINES) -> list[tuple
 
 
 def _chart(keys: list[str], depth: int) -> tuple[str, list[str]]:
-    # A key with `depth` components stands for itself and everything below it; a shorter one (a
-    # name with fewer components than the depth) only for itself: its children have keys of their own.
+    # A key of `depth` components stands for itself and everything below it; a shorter one only for itself.
     patterns = [re.escape(k) + (r"(?:\..+)?" if k.count(".") + 1 == depth else "") for k in keys]
     return (keys[0] if len(keys) == 1 else f"{keys[0]} … {keys[-1]}"), patterns

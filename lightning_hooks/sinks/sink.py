@@ -35,10 +35,8 @@ def echo(text: str, trainer: pl.Trainer | None = None) -> None:
 
 
 class Sink:
-    """Sends a callback's host numbers, histograms, figures, text and tables to whatever loggers a Trainer has.
-
-    Each logger gets what it can show, in its own form (README: Loggers), from global rank zero only.
-    """
+    """Sends a callback's numbers, histograms, figures, text and tables from global rank zero to the Trainer's
+    loggers, each what it can show in its own form (README: Loggers)."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner

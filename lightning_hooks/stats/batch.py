@@ -27,8 +27,7 @@ Key = tuple[str, str]
 """``(group, name)``: what a state is of, e.g. ``("param", "fc1.weight")``."""
 
 ROW_MAX = 1 << 15
-"""A tensor of at most this many elements is copied and reduced later with the others of its shape; a larger one at
-once."""
+"""A tensor of at most this many elements is reduced later with the others of its shape; a larger one at once."""
 
 PENDING_MAX = 1 << 22
 """The copies waiting to be reduced hold at most this many elements (16 MB of float32)."""
@@ -109,8 +108,7 @@ class StatBatch:
         self._blocks: list[tuple[list[Key], torch.Tensor]] = []
         """States computed elsewhere (compiled graphs, empty tensors): the keys of their rows, and the rows."""
         self._raw: list[tuple[list[Key], torch.Tensor, list[int]]] = []
-        """Reduced rows not yet made states (:func:`raw_rows`): their keys, the rows, and each row's count of values.
-        Made states together in :meth:`fetch`, once a step."""
+        """Reduced rows (:func:`raw_rows`), their keys and each row's count of values: made states at :meth:`fetch`."""
         self._pending: dict[tuple[torch.device, torch.Size], list[tuple[list[Key], torch.Tensor]]] = {}
         """Per device and shape, slabs of float32 copies waiting to be reduced together, with the keys of their rows."""
         self._held = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -78,7 +78,3 @@ class Histogram:
         width = (hi - lo) / len(counts) if hi > lo else 1e-12
         limits = [lo + width * (i + 1) for i in range(len(counts))]
         return cls(lo, hi, num, total, squares, limits, counts)
-
-    def as_dict(self) -> dict[str, float | list[float]]:
-        """The fields by name (what a JSON file of histograms holds)."""
-        return asdict(self)

@@ -21,11 +21,9 @@ __all__ = [
     "nonfinite_count",
     "norm_total",
     "pool",
-    "RAW",
     "raw_pieces",
     "raw_rows",
     "raw_states",
-    "reduce_rows",
     "state",
     "state_row",
 ]
@@ -50,26 +48,10 @@ WIDTH = len(State._fields)
 _SUMMED = WIDTH - 1
 
 
-def reduce_rows(m: torch.Tensor) -> torch.Tensor:
-    """The ``(k, WIDTH)`` float64 states of the rows of the matrix ``m``, on its device: the one reduction
-    (:func:`raw_rows`, then :func:`raw_states`). Values are reduced in float32 (float64 stays float64); NaN wins the
-    maximum and counts as non-zero."""
-    k, n = m.shape
-    if n == 0:
-        return torch.zeros(k, WIDTH, dtype=torch.float64, device=m.device)
-    return raw_states(raw_rows(m.detach()), n)
-
-
-RAW = 6
-"""The width of :func:`raw_rows`: sum, variance, non-zero count, non-finite count, sum of magnitudes, largest
-magnitude."""
-
-
 def raw_rows(m: torch.Tensor) -> torch.Tensor:
-    """Per row of the detached, non-empty matrix ``m``, what its state is made of, in ``m``'s float dtype (float32
-    for a half-precision one; float64 where a count would pass float32's exact integers): a fused reduction per
-    column, so that they are cheap to launch on an accelerator. :func:`raw_states` makes states of them, once for
-    every row a step reduced."""
+    """Per row of the detached, non-empty matrix ``m``: sum, variance, non-zero and non-finite counts, sum and largest
+    of magnitudes (what :func:`raw_states` takes), in ``m``'s float dtype (float32 for a half-precision one; float64
+    where a count would pass float32's exact integers)."""
     x = m if m.dtype in (torch.float32, torch.float64) else m.float()
     columns = [
         x.sum(1),
