@@ -199,6 +199,7 @@ class HookCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         report_silent_modules(trainer)  # every step is recorded by now, by every callback
+        self._sink.flush(trainer)  # a table-less logger's last row
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -206,6 +207,7 @@ class HookCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._sink.flush(trainer)
         self._detach()
 
     @override

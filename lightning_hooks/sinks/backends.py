@@ -91,16 +91,26 @@ class Backend:
     def __init__(self) -> None:
         self.warned = False
         """Whether the one warning this backend may give has been given."""
+        self._row: tuple[int, dict[str, float]] | None = None  # the scalars of a step, from every callback
 
     def write(self, logger: Any, data: StepData) -> None:
+        """Scalars as one row per step for every callback together (a table-less logger such as CSV would get a
+        sparse row from each): held until a later step comes, or :meth:`flush`."""
         if data.scalars:
-            logger.log_metrics(data.scalars, step=data.step)
+            if self._row is not None and self._row[0] != data.step:
+                self.flush(logger)
+            step, row = self._row or (data.step, {})
+            row.update(data.scalars)
+            self._row = (step, row)
 
     def layout(self, logger: Any, tags: Iterable[str], step: int) -> None:
         """A run-wide chart layout over ``tags``; only TensorBoard has one."""
 
     def flush(self, logger: Any) -> None:
-        """Put what the logger holds on disk now, e.g. before an exception ends the fit."""
+        """Hand the logger the held row, e.g. when training ends or before an exception ends the fit."""
+        if self._row is not None:
+            (step, row), self._row = self._row, None
+            logger.log_metrics(row, step=step)
 
 
 def prefixed(logger: TensorBoardLogger | WandbLogger, scalars: dict[str, float]) -> Mapping[str, Any]:
@@ -163,7 +173,7 @@ class TensorBoardBackend(Backend):
     def write(self, logger: TensorBoardLogger, data: StepData) -> None:
         files = self.file_writer(logger)
         if data.scalars and _overrides_log_metrics(logger, TensorBoardLogger):
-            super().write(logger, data)
+            logger.log_metrics(data.scalars, step=data.step)
         elif data.scalars:  # filled in place: building each Value and merging it in costs three times as much
             event = Event()
             add = event.summary.value.add
@@ -222,7 +232,7 @@ class WandbBackend(Backend):
 
         row: dict[str, Any] = {}
         if data.scalars and _overrides_log_metrics(logger, WandbLogger):
-            super().write(logger, data)
+            logger.log_metrics(data.scalars, step=data.step)
         else:
             row.update(prefixed(logger, data.scalars))
         for tag, hist in data.histograms.items():
@@ -287,7 +297,7 @@ class MLflowBackend(Backend):
                     + (f" and {len(renamed) - 5} more" if len(renamed) > 5 else "")
                     + " (warned once per logger)."
                 )
-            super().write(logger, dataclasses.replace(data, scalars={keys[t]: v for t, v in data.scalars.items()}))
+            logger.log_metrics({keys[t]: v for t, v in data.scalars.items()}, step=data.step)
         if not data.kinds():
             return
         client, run_id = logger.experiment, logger.run_id

@@ -260,6 +260,12 @@ def test_csv_gets_scalars_and_markdown_files_in_its_log_dir(run: Run) -> None:
     header = lines[0].split(",")
     step, act = header.index("step"), header.index("act_mean/fc1")
     assert [int(r.split(",")[step]) for r in lines[1:] if r.split(",")[act]] == [0, 2, 4]
+    # One row per logging step holds every callback's scalars of that step (not a sparse row from each).
+    grad, skipped = header.index("grad_norm/fc1.weight"), header.index("nonfinite/skipped_steps")
+    rows = [r.split(",") for r in lines[1:]]
+    assert [int(r[step]) for r in rows if r[grad]] == [0, 2, 4]
+    assert all(r[act] for r in rows if r[grad])
+    assert [r[act] != "" for r in rows if r[skipped]] == [False]  # step 3 skipped, not a logging step: its own row
     shapes = (run.csv_dir / "shapes" / "train.md").read_text()
     assert shapes == run.artifact("shapes/train.md").read_text()
     assert (run.csv_dir / "nonfinite" / "first_layer.md").read_text().startswith("## step 3\n")
