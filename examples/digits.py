@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -9,6 +12,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 from torchmetrics.classification import MulticlassAccuracy
+
+# The demo shows what lightning_hooks prints: Lightning's own notices (the accelerators it found, tips about other
+# products) and torch's deprecation notes from Lightning's code are left out here, in the example, not the library.
+logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 class DigitsDataModule(pl.LightningDataModule):
