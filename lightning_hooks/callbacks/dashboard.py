@@ -109,7 +109,7 @@ class Dashboard:
             if self.asked:
                 rank_zero_warn(
                     f"`{self.owner}` draws its figures with matplotlib, which is not installed; figures are "
-                    f"skipped (everything else is logged). Install it with `{_figures.INSTALL_HINT}`."
+                    f"skipped (everything else is logged). Install it: {_figures.INSTALL_HINT}."
                 )
             return
         started = time.monotonic()

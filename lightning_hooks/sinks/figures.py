@@ -26,7 +26,7 @@ __all__ = [
     "zero_fraction_series",
 ]
 
-INSTALL_HINT = "pip install 'lightning-hooks[plots]'"
+INSTALL_HINT = "`pip install matplotlib`, or the `plots` extra (`pip install '.[plots]'` in a clone)"
 
 DEAD = 0.9
 """Zero fraction from which a layer's bar is drawn as dead."""
