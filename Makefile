@@ -5,13 +5,14 @@
 #   make bench-instructions - the same in instruction counts under valgrind (25-50 minutes, the workloads side by side)
 #   make bench-logging-step - what one logging step of GradStats + ActivationStats costs on a 24-layer encoder (minutes)
 #   make screenshot - regenerate the README's TensorBoard pictures in docs/ (needs Debian's chromium)
+#   make docs   - build .venv, build the documentation site into site/ with `mkdocs build --strict` (offline)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch is all the demo and the tests need; install it before anything asks for torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench bench-instructions bench-logging-step tensorboard screenshot clean
+.PHONY: setup demo test lint docs bench bench-instructions bench-logging-step tensorboard screenshot clean
 
 setup: $(VENV)/.installed
 
@@ -19,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	$(PY) -m pip install --quiet -e ".[dev,examples,docs]"
 	touch $@
 
 demo: setup
@@ -32,6 +33,9 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: setup
 	$(PY) benchmarks/overhead.py --frequencies 10 50
@@ -49,4 +53,4 @@ screenshot: setup
 	$(PY) -m docs.screenshot
 
 clean:
-	rm -rf $(VENV) lightning_logs *.egg-info
+	rm -rf $(VENV) lightning_logs site *.egg-info
