@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from examples.encoder import EncoderLM
 from examples.transformer import TokenDataModule
 from lightning_hooks import MemoryLogger
+from lightning_hooks.cli import main
 from tests.support.helpers import CUDA, Probe, TinyNet, hook_state, make_trainer, scalars, texts
 
 
@@ -299,3 +300,37 @@ def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
     assert f"the allocator's history is in {snapshot}" in out
     assert "The last table recorded (step 1)" in out
     assert not torch.cuda.memory._snapshot()["device_traces"][0], "history recording was stopped"
+
+
+def test_printed_table_of_the_24_layer_encoder_matches_golden(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], update_golden: bool
+) -> None:
+    torch.manual_seed(0)
+    data = TokenDataModule(seq_len=16, n=32, batch_size=8)
+    make_trainer(tmp_path, [MemoryLogger()], logger=False, max_steps=2).fit(EncoderLM(layers=24), datamodule=data)
+    out = capsys.readouterr().out
+    table = out[out.index("MemoryLogger:") :]
+    assert len(table.splitlines()) <= 40
+    golden = Path(__file__).parents[1] / "support" / "golden" / "memory_encoder24.txt"
+    if update_golden:
+        golden.write_text(table)
+    assert golden.exists(), f"{golden} is missing: run `pytest --update-golden` once and review it"
+    assert table == golden.read_text()
+
+
+def test_lightning_cli_builds_it_from_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "memory.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_hooks.MemoryLogger\n"
+        "      init_args: {at_step: 1, max_depth: 1}\n"
+        "  max_steps: 2\n"
+        "  logger: false\n"
+        "  enable_progress_bar: false\n"
+        "  enable_checkpointing: false\n"
+        "model: {class_path: examples.numnet.NumNet}\n"
+        "data: {class_path: examples.numnet.NumDataModule}\n"
+    )
+    main(["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path}"])
+    assert "MemoryLogger: NumNet · step 1 · peak " in capsys.readouterr().out
