@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import TypeVar
 
-__all__ = ["boolean", "choice", "positive_float", "positive_int", "subset"]
+__all__ = ["boolean", "choice", "non_negative_int", "positive_float", "positive_int", "subset"]
 
 T = TypeVar("T")
 
@@ -23,6 +23,15 @@ def positive_int(owner: str, arg: str, value: object, *, allow_none: bool = True
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         hint = f" or None ({none})" if allow_none else ""
         raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be a positive integer{hint}.")
+
+
+def non_negative_int(owner: str, arg: str, value: object) -> int:
+    """An ``int`` (not a ``bool``) that is 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be an integer of 0 or more, e.g. 1.")
+    if value < 0:
+        raise ValueError(f"`{owner}` got `{arg}={value!r}`; `{arg}` must be an integer of 0 or more.")
+    return value
 
 
 def positive_float(owner: str, arg: str, value: object) -> float:

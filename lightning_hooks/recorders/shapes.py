@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from torch import nn
 
@@ -117,7 +118,19 @@ MIN_REPEATS = 3
 """The shortest run of identical sibling blocks that a table collapses (a pair is shown in full)."""
 
 
-def _segment(rows: list[ShapeRow], start: int, prefix: str) -> int:
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+Row = TypeVar("Row", bound=_Named)
+
+
+def _shape_key(row: ShapeRow) -> tuple[object, ...]:
+    return (row.type, row.params, row.inputs, row.outputs)
+
+
+def _segment(rows: Sequence[_Named], start: int, prefix: str) -> int:
     """The end of the calls from ``start`` on that belong to the module named ``prefix`` or below it."""
     end = start
     while end < len(rows) and (rows[end].name == prefix or rows[end].name.startswith(prefix + ".")):
@@ -125,9 +138,9 @@ def _segment(rows: list[ShapeRow], start: int, prefix: str) -> int:
     return end
 
 
-def _shape_of(rows: list[ShapeRow], prefix: str) -> tuple[tuple[str, str, int, Signature, Signature], ...]:
-    """What a block's calls say with its own name taken off: equal for blocks that only differ in index."""
-    return tuple((r.name[len(prefix) :], r.type, r.params, r.inputs, r.outputs) for r in rows)
+def _shape_of(rows: Sequence[Row], prefix: str, key: Callable[[Row], tuple[object, ...]]) -> tuple[object, ...]:
+    """What a block's calls say (``key``) with its own name taken off: equal for blocks that only differ in index."""
+    return tuple((r.name[len(prefix) :], *key(r)) for r in rows)
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,7 @@ class _Run:
     end: int  # where the last block's calls end
 
 
-def _run(rows: list[ShapeRow], start: int) -> _Run | None:
+def _run(rows: Sequence[Row], start: int, key: Callable[[Row], tuple[object, ...]]) -> _Run | None:
     """The run of at least :data:`MIN_REPEATS` identical sibling blocks (``layer.0``, ``layer.1``, …) whose
     first call is ``rows[start]``, tried from the outermost numbered component of its name inwards."""
     parts = rows[start].name.split(".")
@@ -150,11 +163,11 @@ def _run(rows: list[ShapeRow], start: int) -> _Run | None:
             continue
         parent, first, prefix = ".".join(parts[:depth]), int(part), ".".join(parts[: depth + 1])
         block_end = _segment(rows, start, prefix)
-        shape, count, end = _shape_of(rows[start:block_end], prefix), 1, block_end
+        shape, count, end = _shape_of(rows[start:block_end], prefix, key), 1, block_end
         while True:
             sibling = f"{parent}.{first + count}" if parent else str(first + count)
             next_end = _segment(rows, end, sibling)
-            if next_end == end or _shape_of(rows[end:next_end], sibling) != shape:
+            if next_end == end or _shape_of(rows[end:next_end], sibling, key) != shape:
                 break
             count, end = count + 1, next_end
         if count >= MIN_REPEATS:
@@ -162,8 +175,12 @@ def _run(rows: list[ShapeRow], start: int) -> _Run | None:
     return None
 
 
-def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
-    """``(shown name, row, repeats)`` per line of a table: runs of identical sibling blocks once.
+def collapse_repeats(
+    rows: Sequence[Row],
+    key: Callable[[Row], tuple[object, ...]] = _shape_key,  # type: ignore[assignment]
+) -> list[tuple[str, Row, int]]:
+    """``(shown name, row, repeats)`` per line of a table: runs of identical sibling blocks once, identical in what
+    ``key`` says of each row (a shape row's class, parameters and shapes).
 
     A run of at least :data:`MIN_REPEATS` sibling blocks with the same calls below them is shown as
     its first block, named with the range of indices (``encoder.layer.0–23``) and counted on its first line.
@@ -179,16 +196,16 @@ def collapse_repeats(rows: list[ShapeRow]) -> list[tuple[str, ShapeRow, int]]:
         0–4  ×5  Linear      [2, 4]  [2, 4]  20
         5        ReLU        [2, 4]  [2, 4]  0
     """
-    shown: list[tuple[str, ShapeRow, int]] = []
+    shown: list[tuple[str, Row, int]] = []
     i = 0
     while i < len(rows):
-        run = _run(rows, i)
+        run = _run(rows, i, key)
         if run is None:
             shown.append((label(rows[i].name), rows[i], 1))
             i += 1
             continue
         head = f"{run.first}\u2013{run.last}"
-        block = enumerate(collapse_repeats(rows[i : run.block_end]))
+        block = enumerate(collapse_repeats(rows[i : run.block_end], key))
         shown += [(head + name[len(run.first) :], row, run.count if j == 0 else n) for j, (name, row, n) in block]
         i = run.end
     return shown

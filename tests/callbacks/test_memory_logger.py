@@ -1,0 +1,336 @@
+"""MemoryLogger against truth computed independently: bytes counted by hand, tensors autograd saves."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.optim.optimizer as optimizer_hooks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from examples.encoder import EncoderLM
+from examples.transformer import TokenDataModule
+from lightning_hooks import MemoryLogger
+from lightning_hooks.cli import main
+from tests.support.helpers import CUDA, Probe, TinyNet, hook_state, make_trainer, scalars, texts
+
+
+class Fit(pl.LightningModule):
+    """``net`` classifying ``x`` into ``y`` with Adam, in batches of 8."""
+
+    def __init__(self, net: nn.Module, x: torch.Tensor, classes: int = 3) -> None:
+        super().__init__()
+        self.net, self.x = net, x
+        self.y = torch.randint(0, classes, (len(x),), generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=8)
+
+
+class LastStep(nn.Module):
+    """An LSTM read at its last time step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+class Pooled(nn.Module):
+    """A transformer encoder, mean-pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+def model(kind: str) -> pl.LightningModule:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return Fit(
+            nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3)),
+            torch.randn(32, 16),
+        )
+    if kind == "cnn":
+        conv = [
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+        ]
+        return Fit(
+            nn.Sequential(*conv, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)), torch.randn(32, 3, 16, 16)
+        )
+    if kind == "transformer":
+        return Fit(Pooled(), torch.randn(32, 12, 32))
+    if kind == "lstm":
+        return Fit(LastStep(), torch.randn(32, 10, 8))
+
+    class Adam(TinyNet):  # its ReLU is called twice per forward
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    return Adam(batch_size=8)
+
+
+def nbytes(tensors: Any) -> int:
+    """Bytes of distinct tensors, counted element by element."""
+    distinct = {id(t): t for t in tensors if t is not None}
+    return sum(t.nelement() * t.element_size() for t in distinct.values())
+
+
+def saved_by_module(pl_module: pl.LightningModule, batch: Any) -> dict[str, int]:
+    """Replay ``training_step``: bytes autograd saves inside each module's forward, by storage, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+    running: list[str] = []
+    saved: dict[str, dict[int, int]] = {name: {} for name, _ in pl_module.named_modules()}
+    handles = []
+    for name, module in pl_module.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: running.append(name)))
+        handles.append(module.register_forward_hook(lambda m, a, o: None if running.pop() else None))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            for name in running:
+                saved[name][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pl_module.training_step(batch, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: sum(s.values()) for name, s in saved.items()}
+
+
+def close(got: int, want: int, rel: float) -> bool:
+    return got == pytest.approx(want, rel=rel, abs=64)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer", "lstm", "called-twice"])
+def test_rows_match_bytes_counted_independently(tmp_path: Path, kind: str) -> None:
+    pl_module = model(kind)
+    logger = MemoryLogger()
+    batches = Probe("on_train_batch_start", lambda trainer, m, batch, i: [t.clone() for t in batch])
+    make_trainer(tmp_path, [logger, batches], logger=False, max_steps=2).fit(pl_module)
+    optimizer = pl_module.trainer.optimizers[0]
+    activations = saved_by_module(pl_module, batches.seen[1])
+    assert logger.rows
+    assert logger.peak > 0
+    for row in logger.rows:
+        module = pl_module.get_submodule(row.name)
+        params = list(module.parameters())
+        state = [t for p in params for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
+        truth = {
+            "parameters": nbytes(params),
+            "gradients": nbytes(p.grad for p in params),
+            "optimizer_state": nbytes(state),
+            "activations": activations[row.name],
+        }
+        rel = 0.05 if row.name == "" else 0.10  # the root's row is the model's total
+        for column, want in truth.items():
+            assert close(getattr(row, column), want, rel), (row.name, column, getattr(row, column), want)
+        assert row.peak <= logger.peak
+    assert re.fullmatch(r".+ \((forward|backward)\)|optimizer step|training_step, outside any module", logger.peak_at)
+
+
+class Checkpointed(EncoderLM):
+    """EncoderLM whose layers run under ``torch.utils.checkpoint``."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+MIB = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def test_checkpointing_advice_is_what_checkpointing_frees(tmp_path: Path) -> None:
+    peaks, summaries = [], []
+    for cls in (EncoderLM, Checkpointed):
+        torch.manual_seed(0)
+        logger = MemoryLogger()
+        data = TokenDataModule(seq_len=64, n=64, batch_size=32)
+        make_trainer(tmp_path / cls.__name__, [logger], logger=False, max_steps=2).fit(
+            cls(width=64, heads=4, layers=6, seq_len=64), datamodule=data
+        )
+        peaks.append(logger.peak)
+        summaries.append(logger.summary)
+    found = re.search(
+        r"activation checkpointing of `layers\.\*` \(6 blocks\) would free about ([\d.]+) (\w+) of", summaries[0]
+    )
+    assert found, summaries[0]
+    estimate = float(found[1]) * MIB[found[2]]
+    freed = peaks[0] - peaks[1]
+    assert freed > 0.2 * peaks[0]
+    assert estimate == pytest.approx(freed, rel=0.2), (estimate, freed, summaries)
+
+
+def test_logs_the_table_and_scalars_at_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = MemoryLogger(at_step=2)
+    make_trainer(tmp_path, [logger], max_steps=4).fit(model("called-twice"))
+    out = capsys.readouterr().out
+    assert out.count("MemoryLogger: Adam · step 2 · peak ") == 1
+    assert re.search(r"^fc1\s+Linear\s+160 B\s+160 B\s+328 B\s", out, re.MULTILINE)
+    table = texts(tmp_path, "memory/train")
+    assert list(table) == [2]
+    assert "| Layer | Type | Params | Grads | Optimizer | Activations | Temporaries | Peak |" in table[2]
+    assert scalars(tmp_path, "memory/peak_bytes") == {2: float(logger.peak)}
+    assert scalars(tmp_path, "memory/optimizer_state_bytes")[2] == float(logger.rows[0].optimizer_state)
+    assert scalars(tmp_path, "memory/activations_bytes")[2] >= logger.rows[0].activations > 0
+
+
+def test_hooks_only_on_the_recorded_step_and_none_after(tmp_path: Path) -> None:
+    pl_module = model("called-twice")
+    before = hook_state(pl_module)
+    during = Probe("on_before_backward", lambda trainer, m, loss: (trainer.global_step, hook_state(m)))
+    make_trainer(tmp_path, [MemoryLogger(at_step=1), during], logger=False, max_steps=3).fit(pl_module)
+    assert [step for step, state in during.seen if state != before] == [1]
+    assert hook_state(pl_module) == before
+    assert not optimizer_hooks._global_optimizer_pre_hooks
+    assert not optimizer_hooks._global_optimizer_post_hooks
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_hooks_go_when_the_recorded_step_raises(tmp_path: Path) -> None:
+    pl_module = TinyNet(fail_at=1)
+    before = hook_state(pl_module)
+
+    class Fails(pl.Callback):
+        def on_before_backward(self, trainer: pl.Trainer, m: pl.LightningModule, loss: torch.Tensor) -> None:
+            raise RuntimeError("planned failure in backward")
+
+    with pytest.raises(RuntimeError, match="planned failure"):
+        make_trainer(tmp_path, [MemoryLogger(at_step=1)], logger=False, max_steps=3).fit(pl_module)
+    assert hook_state(pl_module) == before
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    with pytest.raises(RuntimeError, match="planned failure in backward"):
+        make_trainer(tmp_path, [MemoryLogger(at_step=0), Fails()], logger=False, max_steps=3).fit(TinyNet())
+    assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+
+
+class TwoViews(TinyNet):
+    """A training step that runs the whole model twice (two views of a batch), which MemTracker cannot track."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y) + F.cross_entropy(self(x.flip(0)), y.flip(0))
+
+
+def test_a_tracker_failure_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+    logger = MemoryLogger()
+    trainer = make_trainer(tmp_path, [logger], logger=False, max_steps=4)
+    failure = r"`MemoryLogger` could not record step 1: .*NotImplementedError.*iterative"
+    with pytest.warns(UserWarning, match=failure) as seen:
+        trainer.fit(TwoViews())
+    assert sum("MemoryLogger` could not record" in str(w.message) for w in seen) == 1
+    assert trainer.global_step == 4
+    assert logger.rows == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"at_step": -1}, ValueError, r"`MemoryLogger` got `at_step=-1`; `at_step` must be an integer of 0 or more"),
+        ({"at_step": 1.5}, TypeError, r"`MemoryLogger` got `at_step=1.5`; `at_step` must be an integer of 0 or more"),
+        ({"at_step": True}, TypeError, r"`MemoryLogger` got `at_step=True`"),
+        ({"snapshot_on_oom": "yes"}, TypeError, r"`MemoryLogger` got `snapshot_on_oom='yes'`; .* True or False"),
+        ({"include": "fc1"}, TypeError, r"`MemoryLogger` got `include='fc1'`"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_value(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        MemoryLogger(**kwargs)
+
+
+def test_snapshot_on_oom_does_nothing_on_cpu(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*(never ran|does not have many workers|litlogger).*")
+        pl_module = TinyNet(fail_at=2, fail_with=torch.OutOfMemoryError)
+        with pytest.raises(torch.OutOfMemoryError):
+            make_trainer(tmp_path, [MemoryLogger()], logger=False, max_steps=4).fit(pl_module)
+    assert not list(tmp_path.rglob("memory_snapshot.pickle"))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
+    tmp_path: Path, device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Greedy(TinyNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.global_step == 2:
+                torch.empty(2**50, device=self.device)  # a petabyte: out of memory on any GPU
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(torch.OutOfMemoryError):
+        make_trainer(tmp_path, [MemoryLogger()], accelerator=device, max_steps=4).fit(Greedy())
+    snapshot = tmp_path / "tb" / "version_0" / "memory_snapshot.pickle"
+    assert snapshot.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert f"the allocator's history is in {snapshot}" in out
+    assert "The last table recorded (step 1)" in out
+    assert not torch.cuda.memory._snapshot()["device_traces"][0], "history recording was stopped"
+
+
+def test_printed_table_of_the_24_layer_encoder_matches_golden(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], update_golden: bool
+) -> None:
+    torch.manual_seed(0)
+    data = TokenDataModule(seq_len=16, n=32, batch_size=8)
+    make_trainer(tmp_path, [MemoryLogger()], logger=False, max_steps=2).fit(EncoderLM(layers=24), datamodule=data)
+    out = capsys.readouterr().out
+    table = out[out.index("MemoryLogger:") :]
+    assert len(table.splitlines()) <= 40
+    golden = Path(__file__).parents[1] / "support" / "golden" / "memory_encoder24.txt"
+    if update_golden:
+        golden.write_text(table)
+    assert golden.exists(), f"{golden} is missing: run `pytest --update-golden` once and review it"
+    assert table == golden.read_text()
+
+
+def test_lightning_cli_builds_it_from_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "memory.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_hooks.MemoryLogger\n"
+        "      init_args: {at_step: 1, max_depth: 1}\n"
+        "  max_steps: 2\n"
+        "  logger: false\n"
+        "  enable_progress_bar: false\n"
+        "  enable_checkpointing: false\n"
+        "model: {class_path: examples.numnet.NumNet}\n"
+        "data: {class_path: examples.numnet.NumDataModule}\n"
+    )
+    main(["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path}"])
+    assert "MemoryLogger: NumNet · step 1 · peak " in capsys.readouterr().out
