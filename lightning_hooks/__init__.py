@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         NonFiniteGuard,
         ShapeLogger,
     )
+    from lightning_hooks.recorders.memory import MemoryRow
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "HealthFinding",
     "HealthMonitor",
     "MemoryLogger",
+    "MemoryRow",
     "NonFiniteError",
     "NonFiniteGuard",
     "ShapeLogger",
@@ -50,6 +52,11 @@ def __getattr__(name: str) -> Any:
     """Load the callbacks, and Lightning with them, on first use (the names of ``__all__`` not bound above)."""
     if name not in __all__:
         raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
+    if name == "MemoryRow":  # pure torch, but its module imports torch's memory trackers: loaded on first use too
+        from lightning_hooks.recorders.memory import MemoryRow
+
+        globals()[name] = MemoryRow
+        return MemoryRow
     try:
         callbacks = importlib.import_module("lightning_hooks.callbacks")
     except ImportError as error:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,16 +180,20 @@ class MemoryLogger(HookCallback):
         super().on_exception(trainer, pl_module, exception)
 
     def _write_snapshot(self, trainer: pl.Trainer) -> None:
+        # Any rank can run out: each writes its own history, and says so itself (rank zero may never hear of it).
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / SNAPSHOT
+        rank = trainer.global_rank
+        path = folder / (SNAPSHOT if rank == 0 else SNAPSHOT.replace(".pickle", f"_rank{rank}.pickle"))
         torch.cuda.memory._dump_snapshot(str(path))
         last = f"\nThe last table recorded (step {self.at_step}):\n{self.summary}\n" if self.rows else ""
         table = format_memory_table(self.rows, self.collapse_repeats) if self.rows else ""
-        echo(
-            f"MemoryLogger: the fit ran out of GPU memory; the allocator's history is in {path} (drag it onto "
+        where = f"rank {rank}" if trainer.world_size > 1 else "the fit"
+        print(
+            f"MemoryLogger: {where} ran out of GPU memory; the allocator's history is in {path} (drag it onto "
             f"https://pytorch.org/memory_viz to see every allocation and who made it).{last}{table}",
-            trainer,
+            file=sys.stderr,
+            flush=True,
         )
 
 

@@ -257,6 +257,18 @@ def test_a_tracker_failure_warns_once_and_training_goes_on(tmp_path: Path) -> No
     assert logger.rows == []
 
 
+def test_the_tracker_methods_the_guard_wraps_still_exist_in_torch() -> None:
+    # The guard overrides these MemTracker internals to catch its bookkeeping errors: a rename in torch must fail here,
+    # not turn the guard off in silence.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from lightning_hooks.recorders.memory import _Guarded
+
+    wrapped = ["_pre_fw_hook", "_post_fw_hook", "_pre_bw_hook", "_post_bw_hook", "_track", "_update_peak_stats"]
+    assert [name for name in wrapped if name in vars(_Guarded)] == wrapped
+    assert [name for name in wrapped if not callable(getattr(MemTracker, name, None))] == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -296,8 +308,8 @@ def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
         make_trainer(tmp_path, [MemoryLogger()], accelerator=device, max_steps=4).fit(Greedy())
     snapshot = tmp_path / "tb" / "version_0" / "memory_snapshot.pickle"
     assert snapshot.stat().st_size > 0
-    out = capsys.readouterr().out
-    assert f"the allocator's history is in {snapshot}" in out
+    out = capsys.readouterr().err
+    assert f"MemoryLogger: the fit ran out of GPU memory; the allocator's history is in {snapshot}" in out
     assert "The last table recorded (step 1)" in out
     assert not torch.cuda.memory._snapshot()["device_traces"][0], "history recording was stopped"
 
