@@ -411,20 +411,25 @@ def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> Non
     """Section 4: what MemoryLogger (#33) will build on, measured where it will run."""
     steps = WARMUP + EVERY
     with section(results, "memory history cost (eager)") as found:
-        times: dict[str, list[float]] = {"off": [], "on": []}
+        # "on": torch's defaults (every event's C++ and Python stacks); "lean": what MemoryLogger(snapshot_on_oom=True)
+        # records from the start of a fit (Python stacks of allocations only).
+        settings = {"on": {}, "lean": {"context": "alloc", "stacks": "python"}}
+        times: dict[str, list[float]] = {"off": [], "on": [], "lean": []}
         for r in range(rounds):
-            for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                if state == "on":
-                    torch.cuda.memory._record_memory_history(max_entries=100_000)
+            order = ["off", "on", "lean"]
+            for state in order[r % 3 :] + order[: r % 3]:
+                if state != "off":
+                    torch.cuda.memory._record_memory_history(max_entries=100_000, **settings[state])
                 clock = Clock(WARMUP, EVERY)
                 try:
                     trainer(root / "history" / f"{state}{r}", [clock], steps, EVERY).fit(module)
                 finally:
-                    if state == "on":
+                    if state != "off":
                         torch.cuda.memory._record_memory_history(enabled=None)
                 times[state] += [ms for _, ms in clock.step_ms()]
         found.update(ms_per_step={k: _median(v) for k, v in times.items()}, windows=times)
         found["ratio"] = found["ms_per_step"]["on"] / found["ms_per_step"]["off"]
+        found["ratio_lean"] = found["ms_per_step"]["lean"] / found["ms_per_step"]["off"]
 
     with section(results, "snapshot on out of memory") as found:
         torch.cuda.memory._record_memory_history(max_entries=100_000)

@@ -89,7 +89,9 @@ class MemoryLogger(HookCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""
         if self.snapshot_on_oom and trainer.strategy.root_device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            # Python stacks of allocations only: torch's default (C++ and Python stacks of every event) made a
+            # GPT-2-sized step 1.35-1.48x slower (docs/performance.md).
+            torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=HISTORY_ENTRIES)
             self._history = True
 
     @override
