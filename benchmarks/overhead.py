@@ -76,6 +76,7 @@ from lightning_hooks import (  # noqa: E402
     GradClamp,
     GradStats,
     HealthMonitor,
+    MemoryLogger,
     NonFiniteGuard,
     ShapeLogger,
 )
@@ -131,6 +132,8 @@ def variants(frequencies: list[int]) -> list[Variant]:
         ]
     every = max(frequencies)
     found.append(Variant(f"an empty Callback @{every}", lambda: [pl.Callback()], every=every))
+    # Step 1 lies before every measured window: what the fit pays on the steps MemoryLogger does not record.
+    found.append(Variant(f"MemoryLogger(at_step=1) @{every}", lambda: [MemoryLogger(at_step=1)], every=every))
     found.append(Variant(f"all five, figures=False @{every}", lambda: all_five(every, figures=False), every=every))
     clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
     found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
