@@ -27,15 +27,18 @@ from lightning_hooks.stats.state import STATS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "HookCallback",
     "StatsCallback",
+    "data_parallel_size",
     "loss_scaler",
     "metrics",
     "note_recorded",
     "refuse_sharded",
     "report_silent_modules",
+    "tensor_parallel_mesh",
 ]
 
 
@@ -43,6 +46,21 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def tensor_parallel_mesh(trainer: pl.Trainer) -> DeviceMesh | None:
+    """The tensor-parallel dimension of ``ModelParallelStrategy``'s mesh, if it has more than one process."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy) or trainer.world_size == 1:
+        return None
+    mesh = strategy.device_mesh["tensor_parallel"]
+    return mesh if mesh.size() > 1 else None
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """How many processes see different batches: all but the tensor-parallel ranks, which share theirs."""
+    mesh = tensor_parallel_mesh(trainer)
+    return trainer.world_size // (1 if mesh is None else mesh.size())
 
 
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:
@@ -357,7 +375,18 @@ class StatsCallback(HookCallback):
             reduce_op: Any = "sum" if op == "sum" else torch.distributed.ReduceOp.MAX
             return trainer.strategy.reduce(tensor, reduce_op=reduce_op)
 
-        return Across(frozenset(groups), agree, reduce)
+        tensor_parallel = tensor_parallel_mesh(trainer)
+        if tensor_parallel is None:
+            return Across(frozenset(groups), agree, reduce)
+        group = tensor_parallel.get_group()
+
+        def replicas(tensor: torch.Tensor) -> torch.Tensor:
+            copies = tensor.new_empty(tensor_parallel.size() * tensor.shape[0], *tensor.shape[1:])
+            torch.distributed.all_gather_into_tensor(copies, tensor, group=group)
+            return copies.view(-1, *tensor.shape)
+
+        outputs = frozenset({"act", "out"})
+        return Across(frozenset(groups), agree, reduce, replicas, tensor_parallel.get_local_rank(), outputs)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:
         """Log the chosen :func:`metrics` of ``group`` and hand its states to the dashboard."""

@@ -22,13 +22,26 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
-def counted_part(t: torch.Tensor) -> torch.Tensor:
-    """What this process adds to a statistic of ``t`` pooled over processes (never gathered): its local shard, or
-    an empty tensor off mesh coordinate 0 of a replicated dimension (``t`` itself when not sharded)."""
+def counted_part(t: torch.Tensor, copies_off_mesh: bool = True) -> torch.Tensor:
+    """What this process adds to a statistic of ``t`` pooled over every process (never gathered): its local shard,
+    or an empty tensor where that shard is a copy counted elsewhere (``t`` itself when not sharded).
+
+    A shard is a copy off mesh coordinate 0 of a ``Replicate`` dimension; with ``copies_off_mesh``, also off the copy
+    of ``t``'s mesh that holds global rank 0 when the mesh is part of a larger world: a parameter's gradient under
+    tensor parallelism, where FSDP2 spreads a norm's weight over the data-parallel ranks only and each
+    tensor-parallel rank holds a copy (not a layer's output, whose copies of the mesh see other batches). Values
+    still to be summed (``Partial``) are summed first, a collective every process of the mesh must run."""
     if not is_sharded(t):
         return t
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements])  # type: ignore[attr-defined]
+        placements = t.placements  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate() or []
-    replica = any(p.is_replicate() and c != 0 for p, c in zip(placements, coordinate, strict=False))
+    copy = any(p.is_replicate() and c != 0 for p, c in zip(placements, coordinate, strict=False))
+    if copies_off_mesh and mesh.size() < torch.distributed.get_world_size():
+        copy = copy or 0 not in mesh.mesh
     shard = local(t)
-    return shard[:0].flatten() if replica else shard
+    return shard[:0].flatten() if copy else shard

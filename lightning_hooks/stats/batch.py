@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_hooks.core.select import output_label
+from lightning_hooks.core.shards import counted_part, is_sharded
 from lightning_hooks.stats.histogram import Histogram, histogram_rows, sample
 from lightning_hooks.stats.state import (
     STATS,
@@ -58,11 +59,19 @@ class OutputKeys:
 
 class Across(NamedTuple):
     """How :meth:`StatBatch.fetch` pools ``groups`` over processes: ``agree`` turns this process's keys into the
-    sorted union of every process's, ``reduce(tensor, op)`` with ``op`` in ``"sum"``, ``"max"``; both collectives."""
+    sorted union of every process's, ``reduce(tensor, op)`` with ``op`` in ``"sum"``, ``"max"``; both collectives.
+
+    Under tensor parallelism ``replicas(tensor)`` stacks the tensor of every process of this one's tensor-parallel
+    group (a collective), and ``replica`` is this process's place in it. A state of ``outputs`` (layer outputs and
+    their gradients, plain tensors that say nothing of their layout) found alike on the whole group is of a
+    replicated tensor and counted once; states that differ are of shards, and add up."""
 
     groups: frozenset[str]
     agree: Callable[[list[tuple[Hashable, ...]]], list[tuple[Hashable, ...]]]
     reduce: Callable[[torch.Tensor, str], torch.Tensor]
+    replicas: Callable[[torch.Tensor], torch.Tensor] | None = None
+    replica: int = 0
+    outputs: frozenset[str] = frozenset()
 
 
 class Fetched(NamedTuple):
@@ -122,7 +131,7 @@ class StatBatch:
         histogram if asked."""
         if self.open:
             self._order[key] = None
-            self._take([key], [t.detach()], histogram)
+            self._take([key], [counted_part(t.detach(), copies_off_mesh=False) if is_sharded(t) else t.detach()], histogram)
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor."""
@@ -227,6 +236,11 @@ class StatBatch:
         if shared:
             assert across is not None
             part = table[len(keys) :]
+            if across.replicas is not None and across.replica != 0:
+                outputs = torch.tensor([key[0] in across.outputs for key in shared], device=part.device)
+                part[_replicated(part, across) & outputs] = 0.0
+            elif across.replicas is not None:
+                _replicated(part, across)  # the collectives every process of the group runs
             part[:, :-1] = across.reduce(part[:, :-1].contiguous(), "sum")
             part[:, -1:] = across.reduce(part[:, -1:].contiguous(), "max")
         keys += shared
@@ -300,3 +314,13 @@ class StatBatch:
         scalars = dict(zip(scalar_keys, take(len(scalar_keys)), strict=True))
         vectors = {key: take(n) for key, n in vector_sizes}
         return Fetched(states, stats, histograms, scalars, vectors)
+
+
+def _replicated(states: torch.Tensor, across: Across) -> torch.Tensor:
+    """Per row of ``states``, whether every process of the tensor-parallel group holds the same state (NaN equal to
+    NaN), decided alike on every process: a state that differs anywhere is of a shard."""
+    assert across.replicas is not None
+    copies = across.replicas(states.contiguous())
+    same = (copies == states) | (copies.isnan() & states.isnan())
+    differs = (~same).any(2).any(0).double()
+    return across.reduce(differs, "max") == 0
