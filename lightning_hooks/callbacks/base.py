@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HookCallback",
     "StatsCallback",
+    "data_parallel_size",
     "loss_scaler",
     "metrics",
     "note_recorded",
@@ -43,6 +44,14 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """How many processes train on different batches (the tensor-parallel ranks of a group share theirs)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy) and trainer.world_size > 1:
+        return strategy.device_mesh["data_parallel"].size()
+    return trainer.world_size
 
 
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, loss_scaler, metrics, refuse_sharded
+from lightning_hooks.callbacks.base import StatsCallback, data_parallel_size, loss_scaler, metrics, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.select import trainable_parameters
@@ -172,6 +172,10 @@ class GradStats(StatsCallback):
             if group == "update":
                 scalars[f"update_ratio/{name}"] = update_ratio(change, fetched.states[("weight", name)])
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
-        scalars.update(metrics("out_grad_", fetched, "out", out_stats))
+        # Each data-parallel rank's output gradients are of its own loss; training minimises the ranks' mean loss
+        # (DDP and FSDP average the gradients), whose gradients are theirs over the data-parallel size.
+        share = 1.0 / data_parallel_size(trainer)
+        out = metrics("out_grad_", fetched, "out", out_stats)
+        scalars.update({tag: v if tag.startswith("out_grad_nonfinite") else v * share for tag, v in out.items()})
         self._sink.scalars(trainer, scalars, step)
         self._log_histograms(trainer, "grad/", fetched.histograms, step)
