@@ -58,9 +58,11 @@ def tensor_parallel_mesh(trainer: pl.Trainer) -> DeviceMesh | None:
 
 
 def data_parallel_size(trainer: pl.Trainer) -> int:
-    """How many processes see different batches: all but the tensor-parallel ranks, which share theirs."""
-    mesh = tensor_parallel_mesh(trainer)
-    return trainer.world_size // (1 if mesh is None else mesh.size())
+    """How many processes train on different batches (the tensor-parallel ranks of a group share theirs)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy) and trainer.world_size > 1:
+        return strategy.device_mesh["data_parallel"].size()
+    return trainer.world_size
 
 
 def refuse_sharded(strategy: object, what: str, fix: str) -> None:

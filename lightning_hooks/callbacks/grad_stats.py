@@ -172,8 +172,8 @@ class GradStats(StatsCallback):
             if group == "update":
                 scalars[f"update_ratio/{name}"] = update_ratio(change, fetched.states[("weight", name)])
         out_stats = [s for s in OUTPUT_GRAD_STATS if s in self.stats] or list(OUTPUT_GRAD_STATS)
-        # Each data-parallel rank's output gradients are of its own loss; training minimises their mean (DDP and
-        # FSDP average the gradients), whose gradient is theirs over the data-parallel size, as in one process.
+        # Each data-parallel rank's output gradients are of its own loss; training minimises the ranks' mean loss
+        # (DDP and FSDP average the gradients), whose gradients are theirs over the data-parallel size.
         share = 1.0 / data_parallel_size(trainer)
         out = metrics("out_grad_", fetched, "out", out_stats)
         scalars.update({tag: v if tag.startswith("out_grad_nonfinite") else v * share for tag, v in out.items()})

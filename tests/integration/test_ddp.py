@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_hooks import ActivationStats, HealthMonitor
+from lightning_hooks import ActivationStats, GradStats, HealthMonitor
 from tests.support.helpers import TinyNet, events, make_trainer, scalars
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).parents[1] / "support" / "ddp_run.py"
+OUT_GRAD_TAGS = ("out_grad_norm/fc1", "out_grad_norm/head", "out_grad_abs_max/fc2", "out_grad_abs_max/act")
 
 
 def run(strategy: str, out: Path, *extra: str) -> str:
@@ -73,8 +74,10 @@ def test_all_callbacks_under_ddp(strategy: str, tmp_path: Path) -> None:
     union.load_state_dict(torch.load(tmp_path / "initial.pt"))
     first = [torch.load(tmp_path / f"batches_rank{rank}.pt")[0] for rank in range(2)]
     union.x, union.y = torch.cat([x for x, _ in first]), torch.cat([y for _, y in first])
-    make_trainer(tmp_path / "single", [ActivationStats(log_every_n_steps=1)], max_steps=1).fit(union)
-    for tag in ("act_mean/fc1", "act_std/fc1", "act_abs_max/head", "act_zero_frac/act"):
+    single = [ActivationStats(log_every_n_steps=1), GradStats(log_every_n_steps=1)]
+    make_trainer(tmp_path / "single", single, max_steps=1).fit(union)
+    # Output gradients too: each rank's are of its own loss, and training minimises the ranks' mean loss.
+    for tag in ("act_mean/fc1", "act_std/fc1", "act_abs_max/head", "act_zero_frac/act", *OUT_GRAD_TAGS):
         ddp_value = scalars(tmp_path / "tb", tag)[0]
         assert ddp_value == pytest.approx(scalars(tmp_path / "single", tag)[0], rel=1e-5), tag
     tags = events(tmp_path / "tb").Tags()

@@ -104,6 +104,14 @@ def test_activation_statistics_equal_one_process_on_the_union(
     )
 
 
+def test_output_gradient_statistics_equal_one_process_on_the_union(
+    sharded_fit: tuple[Path, str], single: tuple[Path, TinyNet]
+) -> None:
+    # Each rank's are of its own batch's mean loss; the fit minimises the mean over ranks, as one process does.
+    layers = ("fc1", "fc2", "head", "act")
+    assert_same(sharded_fit[0], single[0], [f"out_grad_{s}/{layer}" for layer in layers for s in ("norm", "abs_max")])
+
+
 def test_accumulated_clamp_of_shards_equals_value_clipping(
     sharded_fit: tuple[Path, str], single: tuple[Path, TinyNet]
 ) -> None:
