@@ -65,6 +65,8 @@ class ActivationStats(StatsCallback):
         >>> trainer = Trainer(callbacks=[ActivationStats(types=["ReLU"], stats=["zero_frac"])], logger=False)
     """
 
+    tensor_parallel = True
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -93,6 +95,7 @@ class ActivationStats(StatsCallback):
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._recorder.prepend = self._tensor_parallel
         self._recorder.attach(self._eager_modules, self._step_handles)
 
     @override

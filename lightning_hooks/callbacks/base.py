@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -132,6 +132,10 @@ class HookCallback(Callback):
     """Base of the callbacks: modules are selected in ``on_fit_start``, hooked by :meth:`_attach` for the fit
     (``self._handles``) or for a step (``self._step_handles``), and unhooked on every exit path."""
 
+    tensor_parallel: ClassVar[bool] = False
+    """Whether the callback is exact under tensor parallelism (``ModelParallelStrategy(tensor_parallel_size>1)``);
+    the others refuse it at ``setup``."""
+
     def __init__(
         self,
         *,
@@ -199,13 +203,13 @@ class HookCallback(Callback):
         strategy = trainer.strategy
         if stage != "fit" or not isinstance(strategy, ModelParallelStrategy):
             return
-        if (size := strategy.device_mesh["tensor_parallel"].size()) > 1:
+        if (size := strategy.device_mesh["tensor_parallel"].size()) > 1 and not self.tensor_parallel:
             raise MisconfigurationException(
-                f"`{type(self).__name__}` does not support tensor parallelism (`ModelParallelStrategy` with "
-                f"`tensor_parallel_size={size}`): activations and gradients are split or replicated across the "
-                f"tensor-parallel ranks, and statistics pooled over every process would count replicas several "
-                f"times. Use `ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)` with "
-                f"`fully_shard` in `configure_model`, or DDP."
+                f"`{type(self).__name__}` does not support tensor parallelism yet (`ModelParallelStrategy` with "
+                f"`tensor_parallel_size={size}`): what it records of a layer is split or replicated across the "
+                f"tensor-parallel ranks, and it does not yet put the parts together. `GradStats`, `ActivationStats` "
+                f"and `GradClamp` do; for `{type(self).__name__}`, train with `tensor_parallel_size=1` (`fully_shard` "
+                f"over the data-parallel ranks) or DDP."
             )
 
     @override
@@ -280,6 +284,7 @@ class StatsCallback(HookCallback):
         self._pending = Pending()
         self._eager_modules: list[tuple[str, nn.Module]] = []
         self._enabled = True
+        self._tensor_parallel = False
         self._fired: set[str] = set()  # the selected modules whose recorder hooks ran in this fit
 
     def _start_step(self) -> None:
@@ -304,6 +309,7 @@ class StatsCallback(HookCallback):
         self._batch.clear()
         self._fired.clear()
         self._pending.clear()
+        self._tensor_parallel = tensor_parallel_mesh(trainer) is not None
         self._enabled = bool(trainer.loggers) or not self.needs_logger
         self._dashboard.start(self.every(trainer))
         if not self._enabled:
@@ -387,7 +393,7 @@ class StatsCallback(HookCallback):
             torch.distributed.all_gather_into_tensor(copies, tensor, group=group)
             return copies.view(-1, *tensor.shape)
 
-        outputs = frozenset({"act", "out"})
+        outputs = {"act": "act", "out": "fwd"}  # an output gradient is laid out as the output it is of
         return Across(frozenset(groups), agree, reduce, replicas, tensor_parallel.get_local_rank(), outputs)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:

@@ -79,6 +79,8 @@ class GradStats(StatsCallback):
         >>> trainer = Trainer(callbacks=[GradStats(log_every_n_steps=100, output_grads=False)], logger=False)
     """
 
+    tensor_parallel = True
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -141,6 +143,7 @@ class GradStats(StatsCallback):
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.output_grads:
+            self._outputs.prepend = self._tensor_parallel
             self._outputs.attach(self._eager_modules, self._step_handles)
 
     @override
@@ -161,7 +164,7 @@ class GradStats(StatsCallback):
         if self.output_grads:
             self._check_fired(trainer, step)
         # Layer output gradients are per rank; parameter gradients are all-reduced (DDP) or sharded (FSDP2).
-        fetched = self._batch.fetch(self._across(trainer, {"out", *(SHARDED_GROUPS if self._sharded else ())}))
+        fetched = self._batch.fetch(self._across(trainer, {"out", "fwd", *(SHARDED_GROUPS if self._sharded else ())}))
         self._log_group(trainer, "grad_", fetched, "param", step)
         scalars: dict[str, float] = {}
         params = [s for (group, _), s in fetched.states.items() if group == "param"]

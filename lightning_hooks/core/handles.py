@@ -36,11 +36,12 @@ class HookHandles:
         return handle
 
     def add_forward_hooks(
-        self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], always_call: bool = False
+        self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], always_call: bool = False, prepend: bool = False
     ) -> None:
-        """``module.register_forward_hook(hook, always_call=...)`` for each pair, the hook as an :class:`Observer`."""
+        """``module.register_forward_hook(hook, always_call=..., prepend=...)`` for each pair, the hook as an
+        :class:`Observer`."""
         for module, hook in hooks:
-            self.add(module.register_forward_hook(Observer(hook), always_call=always_call))
+            self.add(module.register_forward_hook(Observer(hook), always_call=always_call, prepend=prepend))
 
     def add_forward_pre_hooks(
         self, hooks: Sequence[tuple[nn.Module, Callable[..., Any]]], with_kwargs: bool = False

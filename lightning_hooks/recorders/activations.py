@@ -39,11 +39,14 @@ class ActivationRecorder:
         self.batch, self.histograms = batch, histograms
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("act")
+        self.prepend = False
+        """Hook before the module's other forward hooks: under tensor parallelism, to see a parallelised module's
+        output as the ``DTensor`` it made, before its parallel style turns it into a plain local tensor."""
         self._hooks: dict[str, _ActivationHook] = {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = made_once(self._hooks, modules, lambda name, _: _ActivationHook(self, name, self.batch))
-        handles.add_forward_hooks(hooks)
+        handles.add_forward_hooks(hooks, prepend=self.prepend)
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending

@@ -47,11 +47,15 @@ class OutputGradRecorder:
         self.batch, self.scaler = batch, scaler
         self.fired = set() if fired is None else fired
         self.keys = OutputKeys("out")
+        self.forward_keys = OutputKeys("fwd")
+        self.prepend = False
+        """Hook before the module's other forward hooks (see :attr:`ActivationRecorder.prepend`) and keep each output's
+        state under ``("fwd", <layer>)``: under tensor parallelism, what tells a replicated output from a shard."""
         self._hooks: dict[str, _OutputGradHook] = {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = made_once(self._hooks, modules, lambda name, _: _OutputGradHook(self, name))
-        handles.add_forward_hooks(hooks)
+        handles.add_forward_hooks(hooks, prepend=self.prepend)
 
     def attach_switched(
         self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, pending: Pending
@@ -78,7 +82,7 @@ class _OutputGradHook:
         self.recorder.fired.add(self.name)
         if not torch.is_grad_enabled():
             return
-        if type(output) is torch.Tensor:  # what most modules return
+        if type(output) is torch.Tensor and not self.recorder.prepend:  # what most modules return
             if output.requires_grad and output.is_floating_point():
                 node = output.grad_fn
                 if node is not None and output.output_nr == 0:
@@ -86,9 +90,12 @@ class _OutputGradHook:
                 else:
                     _read_grad(output, self.reader)
             return
+        recorder = self.recorder
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
-                _read_grad(tensor, _GradReader(self.recorder, self.recorder.keys.key(self.name, path)))
+                _read_grad(tensor, _GradReader(recorder, recorder.keys.key(self.name, path)))
+                if recorder.prepend:
+                    recorder.batch.add(recorder.forward_keys.key(self.name, path), tensor)
 
 
 def _read_grad(output: torch.Tensor, reader: _GradReader) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,16 +62,17 @@ class Across(NamedTuple):
     sorted union of every process's, ``reduce(tensor, op)`` with ``op`` in ``"sum"``, ``"max"``; both collectives.
 
     Under tensor parallelism ``replicas(tensor)`` stacks the tensor of every process of this one's tensor-parallel
-    group (a collective), and ``replica`` is this process's place in it. A state of ``outputs`` (layer outputs and
-    their gradients, plain tensors that say nothing of their layout) found alike on the whole group is of a
-    replicated tensor and counted once; states that differ are of shards, and add up."""
+    group (a collective), and ``replica`` is this process's place in it. A layer's output that is a plain tensor says
+    nothing of its layout: it is taken as replicated (counted once) when the state of that layer's forward output is
+    the same on the whole group, and as a shard (added up) otherwise. ``outputs`` maps each group of such states to
+    the group that holds the forward states deciding it (``{"act": "act", "out": "fwd"}``)."""
 
     groups: frozenset[str]
     agree: Callable[[list[tuple[Hashable, ...]]], list[tuple[Hashable, ...]]]
     reduce: Callable[[torch.Tensor, str], torch.Tensor]
     replicas: Callable[[torch.Tensor], torch.Tensor] | None = None
     replica: int = 0
-    outputs: frozenset[str] = frozenset()
+    outputs: Mapping[str, str] = {}
 
 
 class Fetched(NamedTuple):
@@ -131,7 +132,8 @@ class StatBatch:
         histogram if asked."""
         if self.open:
             self._order[key] = None
-            self._take([key], [counted_part(t.detach(), copies_off_mesh=False) if is_sharded(t) else t.detach()], histogram)
+            x = t.detach()
+            self._take([key], [counted_part(x, copies_off_mesh=False) if is_sharded(x) else x], histogram)
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor."""
@@ -236,11 +238,10 @@ class StatBatch:
         if shared:
             assert across is not None
             part = table[len(keys) :]
-            if across.replicas is not None and across.replica != 0:
-                outputs = torch.tensor([key[0] in across.outputs for key in shared], device=part.device)
-                part[_replicated(part, across) & outputs] = 0.0
-            elif across.replicas is not None:
-                _replicated(part, across)  # the collectives every process of the group runs
+            if across.replicas is not None:
+                copies = _replicated(part, shared, across)  # collectives: every process of the group takes part
+                if across.replica != 0:
+                    part[copies] = 0.0
             part[:, :-1] = across.reduce(part[:, :-1].contiguous(), "sum")
             part[:, -1:] = across.reduce(part[:, -1:].contiguous(), "max")
         keys += shared
@@ -316,11 +317,15 @@ class StatBatch:
         return Fetched(states, stats, histograms, scalars, vectors)
 
 
-def _replicated(states: torch.Tensor, across: Across) -> torch.Tensor:
-    """Per row of ``states``, whether every process of the tensor-parallel group holds the same state (NaN equal to
-    NaN), decided alike on every process: a state that differs anywhere is of a shard."""
+def _replicated(states: torch.Tensor, keys: list[Key], across: Across) -> torch.Tensor:
+    """Per row of ``states`` (of ``keys``), whether it is a copy of a tensor replicated over the tensor-parallel group:
+    an output whose deciding forward state is the same on every process of the group (NaN equal to NaN), judged
+    alike on every process. Other rows are never copies (a sharded parameter's parts were counted once already)."""
     assert across.replicas is not None
     copies = across.replicas(states.contiguous())
     same = (copies == states) | (copies.isnan() & states.isnan())
-    differs = (~same).any(2).any(0).double()
-    return across.reduce(differs, "max") == 0
+    alike = across.reduce((~same).any(2).any(0).double(), "max") == 0
+    row = {key: i for i, key in enumerate(keys)}
+    decider = [row.get((across.outputs[group], name), -1) if group in across.outputs else -1 for group, name in keys]
+    index = torch.tensor(decider, device=states.device)
+    return torch.where(index >= 0, alike[index.clamp_min(0)], False)
