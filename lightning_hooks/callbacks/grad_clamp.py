@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded
+from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded, tensor_parallel_mesh
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.select import trainable_parameters
 from lightning_hooks.core.shards import is_sharded
@@ -88,6 +89,13 @@ class GradClamp(HookCallback):
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
             refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
+            if (mesh := tensor_parallel_mesh(trainer)) is not None:
+                raise MisconfigurationException(
+                    f"`{type(self).__name__}(mode='backward')` does not support tensor parallelism yet "
+                    f"(`tensor_parallel_size={mesh.size()}`): a parameter's gradient may still be a partial sum over "
+                    f"the tensor-parallel ranks while backward runs, and clamping a part is not clamping the sum. "
+                    f"Use `mode='accumulated'`, which clamps the finished gradients before the optimizer step."
+                )
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
-from lightning_hooks.core.shards import is_sharded, local
+from lightning_hooks.core.shards import counted_part, is_sharded, local
 from lightning_hooks.stats.state import counted
 
 __all__ = ["GradClamper"]
@@ -128,18 +128,24 @@ class GradClamper:
         """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (unscaled by now); a sharded one
         shard by shard, the count then being this process's, to pool."""
         in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._clamp_in_place([local(p.grad) for p in params if p.grad is not None and id(p) in in_optimizer])
+        grads = [p.grad for p in params if p.grad is not None and id(p) in in_optimizer]
+        if not any(is_sharded(g) for g in grads):
+            self._clamp_in_place(grads)
+        else:  # every copy of a shard is clamped, and counted once over the processes
+            self._clamp_in_place([local(g) for g in grads], [counted_part(g) for g in grads])
 
-    def _clamp_in_place(self, grads: list[torch.Tensor]) -> None:
-        """Clamp ``grads`` in place, counting the clamped elements while :attr:`count` is active."""
+    def _clamp_in_place(self, grads: list[torch.Tensor], counted: list[torch.Tensor] | None = None) -> None:
+        """Clamp ``grads`` in place, counting the clamped elements (of ``counted``, the parts of ``grads`` this
+        process counts, if given) while :attr:`count` is active."""
         value, count = self.value, self.count
         strided = torch.strided  # a singleton: `is` keeps this every-step loop cheap
         sparse = [grad for grad in grads if grad.layout is not strided]
         dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
         with torch.no_grad():
             if count.active:
-                count.clamped += [count_above(grad, value) for grad in dense]
-                count.seen += sum(grad.numel() for grad in dense)
+                seen = dense if counted is None else [grad for grad in counted if grad.layout is strided]
+                count.clamped += [count_above(grad, value) for grad in seen]
+                count.seen += sum(grad.numel() for grad in seen)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)
             for grad in sparse:  # no fused kernel
