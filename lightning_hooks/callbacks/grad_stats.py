@@ -129,6 +129,7 @@ class GradStats(StatsCallback):
         super()._attach(trainer, pl_module, modules)
         self._params = trainable_parameters(modules)
         self._sharded = any(is_sharded(param) for _, param in self._params)
+        self._grads.pooled = self._sharded
         self._outputs.scaler = loss_scaler(trainer)
 
     @override

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-__all__ = ["counted_part", "is_sharded", "local"]
+__all__ = ["counted_part", "is_sharded", "local", "replica_part"]
 
 
 def is_sharded(t: object) -> bool:
@@ -45,3 +45,10 @@ def counted_part(t: torch.Tensor, copies_off_mesh: bool = True) -> torch.Tensor:
         copy = copy or 0 not in mesh.mesh
     shard = local(t)
     return shard[:0].flatten() if copy else shard
+
+
+def replica_part(t: torch.Tensor) -> torch.Tensor:
+    """What this process adds to a statistic of a plain tensor that every process holds alike, pooled over them:
+    ``t`` on global rank zero, an empty tensor elsewhere."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return t if rank == 0 else t[:0].flatten()

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
-from lightning_hooks.core.shards import counted_part, is_sharded, local
+from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
 from lightning_hooks.stats.state import counted
 
 __all__ = ["GradClamper"]
@@ -131,8 +131,9 @@ class GradClamper:
         grads = [p.grad for p in params if p.grad is not None and id(p) in in_optimizer]
         if not any(is_sharded(g) for g in grads):
             self._clamp_in_place(grads)
-        else:  # every copy of a shard is clamped, and counted once over the processes
-            self._clamp_in_place([local(g) for g in grads], [counted_part(g) for g in grads])
+        else:  # every copy of a shard is clamped, and counted once over the processes (a plain one on rank zero)
+            counted = [counted_part(g) if is_sharded(g) else replica_part(g) for g in grads]
+            self._clamp_in_place([local(g) for g in grads], counted)
 
     def _clamp_in_place(self, grads: list[torch.Tensor], counted: list[torch.Tensor] | None = None) -> None:
         """Clamp ``grads`` in place, counting the clamped elements (of ``counted``, the parts of ``grads`` this

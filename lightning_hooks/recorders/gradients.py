@@ -15,7 +15,7 @@ from lightning_hooks.core.autograd import dense_gradient, graph_task_id, loss_sc
 from lightning_hooks.core.compiled import Pending, Region, Switched
 from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
-from lightning_hooks.core.shards import counted_part, is_sharded
+from lightning_hooks.core.shards import counted_part, is_sharded, replica_part
 from lightning_hooks.stats.batch import Key, OutputKeys, StatBatch
 from lightning_hooks.stats.state import State
 
@@ -254,6 +254,8 @@ class ParamGradRecorder:
         """Also keep ``||w_before||`` of each parameter with an update ratio, under ``("wnorm", <name>)``."""
         self.observe = observe
         """Observe the gradients (``False``: only the update ratios, for a caller that reads gradients its way)."""
+        self.pooled = False
+        """Whether the gradients' states are pooled over processes (see :meth:`record`)."""
         self._read: set[int] = set()
 
     def start(self) -> None:
@@ -272,7 +274,9 @@ class ParamGradRecorder:
                 continue
             self._read.add(id(param))
             read.append((name, param))
-            grad = counted_part(param.grad)
+            # Pooled over processes (some parameter is sharded), a plain parameter is one every process holds alike
+            # (under tensor parallelism, a norm not parallelised): rank zero counts it.
+            grad = counted_part(param.grad) if not self.pooled or is_sharded(param) else replica_part(param.grad)
             grads.append(grad if grad.layout == torch.strided else dense_gradient(grad))
         if not read:
             return

@@ -1,0 +1,99 @@
+"""Real tensor parallelism and HSDP (Lightning's ModelParallelStrategy) on CPU with gloo.
+
+Every value GradStats, ActivationStats and GradClamp log is compared with one process training the same
+model, weights and data (the union of the data-parallel ranks' batches): what a user expects the mesh to
+leave unchanged. The model's mean pooling makes the gradients of every position alike, so that a shard of
+the sequence cannot be told from a replica by its gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.helpers import events, make_trainer, scalars
+from tests.support.tp_run import BATCH, CLAMP, MODES, STEPS, TransformerNet, callbacks
+
+pytestmark = pytest.mark.ddp
+SCRIPT = Path(__file__).parents[1] / "support" / "tp_run.py"
+
+
+def run(mode: str, out: Path, *extra: str) -> list[dict]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--mode", mode, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    assert len(ranks) == MODES[mode][0]
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """One process per data-parallel size, on the union of that many ranks' batches; value clipping stands in
+    for ``GradClamp(mode="accumulated")``."""
+    found = {}
+    for replicas in sorted({processes // tensor_parallel for processes, tensor_parallel in MODES.values()}):
+        root = tmp_path_factory.mktemp(f"single{replicas}")
+        trainer = make_trainer(
+            root, callbacks(), max_steps=STEPS, gradient_clip_val=CLAMP, gradient_clip_algorithm="value"
+        )
+        trainer.fit(TransformerNet(batch_size=BATCH * replicas))
+        found[replicas] = root
+    return found
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_every_logged_value_equals_one_process(mode: str, tmp_path: Path, reference: dict[int, Path]) -> None:
+    ranks = run(mode, tmp_path)
+    assert [rank.get("error") for rank in ranks] == [None] * len(ranks), ranks
+    processes, tensor_parallel = MODES[mode]
+    placements = ranks[0]["placements"]
+    if tensor_parallel > 1:  # the projections' weights are split over both mesh dimensions
+        assert "Shard(dim=1)" in placements["blocks.0.down.weight"], placements
+    single = reference[processes // tensor_parallel]
+    expected_tags = set(events(single / "tb").Tags()["scalars"])
+    tags = set(events(tmp_path / "tb").Tags()["scalars"])
+    assert expected_tags <= tags, sorted(expected_tags - tags)
+    checked = 0
+    for tag in sorted(expected_tags):
+        got, expected = scalars(tmp_path / "tb", tag), scalars(single / "tb", tag)
+        assert sorted(got) == sorted(expected) == list(range(STEPS)), tag
+        for step in range(STEPS):
+            assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-7), (tag, step)
+            checked += 1
+    assert checked > 300
+    # Every element clamped counted once: by hand on the union's gradients at step 0.
+    model = TransformerNet(batch_size=BATCH * (processes // tensor_parallel))
+    model.load_state_dict(torch.load(tmp_path / "initial.pt"))
+    x, y = next(iter(model.train_dataloader()))
+    model.training_step((x, y), 0).backward()
+    grads = [p.grad for p in model.parameters()]
+    clamped = sum(int((g.abs() > CLAMP).sum()) for g in grads) / sum(g.numel() for g in grads)
+    assert scalars(tmp_path / "tb", "grad_clamp/clamped_fraction")[0] == pytest.approx(clamped)
+
+
+def test_the_backward_clamp_refuses_tensor_parallelism_on_every_rank(tmp_path: Path) -> None:
+    ranks = run("tp2", tmp_path, "--backward-clamp")
+    for rank in ranks:
+        assert re.fullmatch(
+            r"MisconfigurationException: `GradClamp\(mode='backward'\)` does not support tensor parallelism yet "
+            r"\(`tensor_parallel_size=2`\): a parameter's gradient may still be a partial sum .* Use "
+            r"`mode='accumulated'`, which clamps the finished gradients before the optimizer step\.",
+            rank["error"],
+        ), rank["error"]
