@@ -1,11 +1,12 @@
-"""What a logging step costs under FSDP2 against DDP on the same model (2 CPU processes, gloo).
+"""What a logging step costs under FSDP2 and a 2-D mesh against DDP on the same model (CPU processes, gloo).
 
-    .venv/bin/python benchmarks/sharded.py                 # 2 interleaved repeats × 4 variants, ~4 min on 2 cores
+    .venv/bin/python benchmarks/sharded.py                 # 2 interleaved repeats × 6 variants, ~8 min on 2 cores
     .venv/bin/python benchmarks/sharded.py --repeats 1     # a smoke run
 
 Variants: ``ddp`` and ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard`` on every layer and
-the root), each without callbacks and with ``GradStats`` + ``ActivationStats`` +
-``GradClamp(mode="accumulated")`` logging every ``--every`` steps. Each fit runs in its own
+the root) in 2 processes, ``dp2-tp2`` (4 processes: three pairs of layers column- then row-wise
+parallel over 2, then ``fully_shard`` over the other 2), each without callbacks and with ``GradStats`` +
+``ActivationStats`` + ``GradClamp(mode="accumulated")`` logging every ``--every`` steps. Each fit runs in its own
 pair of processes, variants in an order rotated every repeat. Rank 0 times each step from its
 ``on_train_batch_start`` to the next one's and counts the collectives made during it
 (``all_reduce``, ``all_gather``, ``all_gather_object``, ``broadcast``, ``barrier``: the calls the
@@ -37,16 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats  # noqa: E402
 
-VARIANTS = ("ddp", "ddp+callbacks", "fsdp2", "fsdp2+callbacks")
+VARIANTS = ("ddp", "ddp+callbacks", "fsdp2", "fsdp2+callbacks", "dp2-tp2", "dp2-tp2+callbacks")
 COUNTED = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
 
 
 class MLP(pl.LightningModule):
     """Eight 256-wide layers with ReLU between them: 0.5 M parameters, 16 tensors, 15 layer outputs."""
 
-    def __init__(self, sharded: bool) -> None:
+    def __init__(self, sharded: bool, tensor_parallel: bool = False) -> None:
         super().__init__()
-        self.sharded = sharded
+        self.sharded, self.tensor_parallel = sharded, tensor_parallel
         self.layers = nn.Sequential(
             *[m for _ in range(7) for m in (nn.Linear(256, 256), nn.ReLU())], nn.Linear(256, 10)
         )
@@ -55,6 +56,11 @@ class MLP(pl.LightningModule):
         self.y = torch.randint(0, 10, (4096,), generator=generator)
 
     def configure_model(self) -> None:
+        if self.tensor_parallel:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            pairs = {f"{i}": ColwiseParallel() for i in (0, 4, 8)} | {f"{i}": RowwiseParallel() for i in (2, 6, 10)}
+            parallelize_module(self.layers, self.device_mesh["tensor_parallel"], pairs)
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
@@ -73,7 +79,8 @@ class MLP(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = TensorDataset(self.x, self.y)
-        sampler = DistributedSampler(dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
+        rank = self.device_mesh["data_parallel"].get_local_rank() if self.sharded else self.global_rank
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
         return DataLoader(dataset, batch_size=64, sampler=sampler)
 
 
@@ -108,7 +115,8 @@ def fit(variant: str, steps: int, every: int, out: Path) -> None:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     torch.manual_seed(0)
-    sharded = variant.startswith("fsdp2")
+    tensor_parallel = variant.startswith("dp2-tp2")
+    sharded = variant.startswith("fsdp2") or tensor_parallel
     meter = Meter()
     callbacks: list[pl.Callback] = [meter]
     if variant.endswith("+callbacks"):
@@ -119,8 +127,12 @@ def fit(variant: str, steps: int, every: int, out: Path) -> None:
         ]
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else DDPStrategy(),
+        devices=4 if tensor_parallel else 2,
+        strategy=(
+            ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2 if tensor_parallel else 1)
+            if sharded
+            else DDPStrategy()
+        ),
         max_steps=steps + 1,
         log_every_n_steps=every,
         logger=pl.loggers.TensorBoardLogger(out.parent, name=out.stem, version=0),
@@ -132,7 +144,7 @@ def fit(variant: str, steps: int, every: int, out: Path) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
-    trainer.fit(MLP(sharded))
+    trainer.fit(MLP(sharded, tensor_parallel))
     if trainer.global_rank == 0:
         times = [b - a for a, b in zip(meter.starts, meter.starts[1:], strict=False)]
         cpu = [b - a for a, b in zip(meter.cpu, meter.cpu[1:], strict=False)]
@@ -186,16 +198,17 @@ def main() -> None:
             command += ["--steps", str(args.steps), "--every", str(args.every)]
             subprocess.run(command, check=True, env=env, capture_output=True, timeout=300)
             runs[variant].append(json.loads(out.read_text()))
-    print(f"2 processes, gloo, {args.repeats} repeats × {args.steps} steps, logging every {args.every}")
+    print(f"gloo, {args.repeats} repeats × {args.steps} steps, logging every {args.every}")
     print(
-        "| variant | ms/step, quiet | ms/step, logging | added per logging step | rank 0 CPU time added "
-        "| collectives, quiet / logging |"
+        "| variant | ms/step, quiet | ms/step, logging | logging / quiet | added per logging step "
+        "| rank 0 CPU time added | collectives, quiet / logging |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for variant in VARIANTS:
         s = summary(runs[variant], args.every, args.warmup)
         print(
-            f"| {variant} | {s['quiet']:.2f} | {s['logging']:.2f} | {s['added']:+.2f} ms | {s['cpu_added']:+.2f} ms "
+            f"| {variant} | {s['quiet']:.2f} | {s['logging']:.2f} | {s['logging'] / s['quiet']:.2f} "
+            f"| {s['added']:+.2f} ms | {s['cpu_added']:+.2f} ms "
             f"| {s['quiet_collectives']:.0f} / {s['collectives']:.0f} |"
         )
 
