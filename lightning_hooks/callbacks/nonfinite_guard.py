@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, loss_scaler
+from lightning_hooks.callbacks.base import HookCallback, loss_scaler, tensor_parallel_mesh
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import eager_stance, has_compiled, run_eager
 from lightning_hooks.core.select import named_parameters
@@ -96,6 +96,8 @@ class NonFiniteGuard(HookCallback):
         >>> from lightning_hooks import NonFiniteGuard
         >>> trainer = Trainer(callbacks=[NonFiniteGuard(action="skip_step")], logger=False)
     """
+
+    tensor_parallel = True
 
     def __init__(
         self,
@@ -297,7 +299,8 @@ class NonFiniteGuard(HookCallback):
         if finding is not None:
             finding = replace(finding, step=step)
         found = finding is not None
-        if trainer.world_size > 1 and self.action != "warn":
+        # Under tensor parallelism a rank may see values go wrong that another made: the ranks always agree.
+        if trainer.world_size > 1 and (self.action != "warn" or tensor_parallel_mesh(trainer) is not None):
             found = trainer.strategy.reduce_boolean_decision(found, all=False)
             if found:
                 finding = self._agree(trainer, finding)

@@ -71,6 +71,9 @@ class Finding:
         reproduced: ``False`` when the replay found every value finite although the step's loss
             (``phase="loss"``, ``tensor`` and ``batch_idx`` say which) or gradients were not.
         rank: The process that found it, under distributed training (``None`` in a single process).
+        position: Where the call or gradient stands among those of the step, in the order they finished
+            (forward) or were computed (backward): across processes that run the same modules (tensor
+            parallelism), the lowest is where the values went wrong first.
     """
 
     phase: Phase
@@ -88,6 +91,7 @@ class Finding:
     replayed: bool = False
     reproduced: bool = True
     rank: int | None = None
+    position: int | None = None
 
     @property
     def layer(self) -> str:
@@ -168,17 +172,22 @@ _PHASES: tuple[Phase, ...] = ("forward", "loss", "backward", "parameter")
 
 def first_finding(per_rank: Sequence[Finding | None]) -> Finding | None:
     """The finding every rank reports, from what each rank found (index = rank): reproduced before not, then by
-    phase (forward, loss, backward, parameter), then the lowest rank; it names its rank when there is more than one.
+    phase (forward, loss, backward, parameter), then the earliest :attr:`Finding.position`, then the lowest rank;
+    it names its rank when there is more than one.
 
     Example::
 
         >>> first_finding([Finding("parameter"), Finding("forward", "fc")]).rank
         1
     """
-    found = [((not f.reproduced, _PHASES.index(f.phase), rank), f) for rank, f in enumerate(per_rank) if f is not None]
+    found = [
+        ((not f.reproduced, _PHASES.index(f.phase), math.inf if f.position is None else f.position, rank), f)
+        for rank, f in enumerate(per_rank)
+        if f is not None
+    ]
     if not found:
         return None
-    (_, _, rank), finding = min(found, key=lambda item: item[0])
+    (*_, rank), finding = min(found, key=lambda item: item[0])
     return replace(finding, rank=rank) if len(per_rank) > 1 else finding
 
 

@@ -15,6 +15,7 @@ from lightning_hooks.core.autograd import in_backward
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
+from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
 from lightning_hooks.stats.state import nonfinite_count
 
@@ -43,7 +44,7 @@ class Readings:
         a dense floating-point tensor with values."""
         if not (t.is_floating_point() and t.layout == torch.strided and t.numel()):
             return None
-        x = t.detach()
+        x = local(t.detach())  # a DTensor's own part: a NaN anywhere is in some process's part
         low, high = torch.aminmax(x)
         self._items.append((low, high, nonfinite_count(x), x.numel()))
         return len(self._items) - 1
@@ -200,10 +201,13 @@ class NonFiniteRecorder:
         if not bad:
             return None
         index = (made or bad)[0]
+        made_or_bad = self.finished.index(index)
         call = self.calls[index]
         path, slot = max(call.outputs, key=lambda item: readings[item[1]].severity)
         given = tuple((p, readings[s]) for p, s in call.inputs)
-        return self._call_finding("forward", index, tensor=(path, readings[slot]), given=given, made_here=bool(made))
+        return self._call_finding(
+            "forward", index, tensor=(path, readings[slot]), given=given, made_here=bool(made), position=made_or_bad
+        )
 
     def _loss(self, readings: list[Reading]) -> Finding | None:
         return next((Finding("loss", tensor=("", readings[s])) for s in self.losses if readings[s].severity), None)
@@ -215,10 +219,10 @@ class NonFiniteRecorder:
                 if output:
                     out_grads.setdefault(call, []).append((path, slot))
         out_worst = {call: _worst(grads, readings) for call, grads in out_grads.items()}
-        events = [(group, slot) for group, slot in self.events if readings[slot].severity != FINITE]
+        events = [(i, group, slot) for i, (group, slot) in enumerate(self.events) if readings[slot].severity != FINITE]
         if not events:
             return None
-        for group, slot in events:
+        for position, group, slot in events:
             bad = readings[slot].severity
             makers = [(c, p) for c, p, output in self.groups[group] if not output and out_worst.get(c, FINITE) < bad]
             if makers:
@@ -232,9 +236,14 @@ class NonFiniteRecorder:
                 (call, path), others = inner[0], [self.calls[c].name for c, _ in inner[1:]]
                 given = tuple((p, readings[s]) for p, s in out_grads.get(call, []))
                 return self._call_finding(
-                    "backward", call, tensor=(path, readings[slot]), given=given, shared_with=tuple(others)
+                    "backward",
+                    call,
+                    tensor=(path, readings[slot]),
+                    given=given,
+                    shared_with=tuple(others),
+                    position=position,
                 )
-        group, slot = events[0]
+        _, group, slot = events[0]
         roles = self.groups[group]
         call, path, _ = next((r for r in roles if r[2]), roles[0])
         return self._call_finding("backward", call, tensor=(path, readings[slot]), made_here=False)

@@ -175,7 +175,7 @@ class _SavedBy:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not in_backward():
-            storage = t.untyped_storage()
+            storage = (local(t) if is_sharded(t) else t).untyped_storage()  # a DTensor's own part
             ptr = storage.data_ptr()
             if ptr not in self.skip:
                 self.total[ptr] = storage.nbytes()

@@ -30,7 +30,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats  # noqa: E402
+from lightning_hooks import (  # noqa: E402
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    MemoryLogger,
+    NonFiniteError,
+    NonFiniteGuard,
+)
 
 STEPS = 3
 BATCH = 4  # per data-parallel rank
@@ -160,6 +167,16 @@ class TransformerNet(pl.LightningModule):
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
 
+class PoisonRank1(pl.Callback):
+    """At step 1, a NaN in rank 1's shard of the first block's ``up`` weight: its output goes wrong on rank 1 first,
+    and every rank's after the row-wise ``down`` sums the shards."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 1 and trainer.global_rank == 1:
+            with torch.no_grad():
+                pl_module.blocks[0].up.weight.to_local()[0, 0] = float("nan")
+
+
 def callbacks() -> list[pl.Callback]:
     return [GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
 
@@ -169,11 +186,13 @@ def main() -> None:
     parser.add_argument("--mode", required=True, choices=sorted(MODES))
     parser.add_argument("--out", required=True)
     parser.add_argument("--backward-clamp", action="store_true", help="GradClamp(mode='backward'): refused")
+    parser.add_argument("--guard", action="store_true", help="NonFiniteGuard and MemoryLogger, a NaN on rank 1")
     args = parser.parse_args()
     out = Path(args.out)
     processes, tensor_parallel = MODES[args.mode]
     model = TransformerNet(args.mode)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
+    guard, memory = NonFiniteGuard(), MemoryLogger(at_step=0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=processes,
@@ -184,7 +203,9 @@ def main() -> None:
         ),
         max_steps=STEPS,
         logger=TensorBoardLogger(out, name="tb", version=0),
-        callbacks=[
+        callbacks=[guard, memory, PoisonRank1()]
+        if args.guard
+        else [
             *callbacks(),
             GradClamp(CLAMP, mode="backward" if args.backward_clamp else "accumulated", log_every_n_steps=1),
         ],
@@ -198,6 +219,9 @@ def main() -> None:
     result: dict[str, Any] = {}
     try:
         trainer.fit(model)
+    except NonFiniteError as error:
+        result["finding"] = error.finding.lines(1) if error.finding is not None else None
+        result["memory"] = {"rows": len(memory.rows), "peak": memory.peak, "summary": memory.summary}
     except Exception as error:  # every outcome is reported, and judged by the test
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()
