@@ -19,12 +19,19 @@ def no_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def digits_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A short real run of configs/digits.yaml (every callback), logged under the returned folder.
+    """A short real run of configs/digits.yaml (every callback), with ``MemoryLogger`` added on the command line,
+    logged under the returned folder.
 
     24 optimizer steps, logging every 2, so figures (every 10 logging periods) fall on steps 0 and 20.
     """
     root = tmp_path_factory.mktemp("digits")
-    train_digits(root, "--trainer.max_steps=24", "--trainer.log_every_n_steps=2", "--trainer.limit_val_batches=2")
+    train_digits(
+        root,
+        "--trainer.max_steps=24",
+        "--trainer.log_every_n_steps=2",
+        "--trainer.limit_val_batches=2",
+        "--trainer.callbacks+=lightning_hooks.MemoryLogger",
+    )
     return root
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.tb_server import Server, chromium, screenshot
+from tests.support.tb_server import DIGITS_RUN, Server, chromium, screenshot
 
 pytestmark = pytest.mark.browser
 
@@ -45,3 +45,19 @@ def test_chromium_screenshot_of_the_dashboard_shows_charts(
     main = image[120:, 360:]  # right of the sidebar, below the app bar and the filter box
     assert pixels_near(main, TOOLBAR) > 500, f"no charts on {png}"
     assert pixels_near(main, RUN_COLOR, tolerance=12) > min_run_pixels, f"charts without data lines on {png}"
+
+
+def test_chromium_screenshot_of_the_text_tab_shows_the_memory_table(tensorboard: Server, tmp_path: Path) -> None:
+    if chromium() is None:
+        pytest.skip("`chromium` is not on PATH; install Debian's chromium (`apt-get install -y chromium`) to run it")
+    # What the Text tab fetches for MemoryLogger's table: the summary line, then a markdown table of the modules.
+    (entry,) = tensorboard.json("/data/plugin/text/text", run=DIGITS_RUN, tag="memory/train")
+    assert [word for word in ("peak", "classifier.1", "Activations") if word not in entry["text"]] == []
+    png = tmp_path / "text.png"
+    result = screenshot(f"{tensorboard.url}/#text&tagFilter=memory", png, tmp_path / "profile")
+    assert result.returncode == 0, result.stderr[-3000:]
+    image = np.asarray(Image.open(png).convert("RGB")).astype(int)
+    assert pixels_near(image[:50], HEADER) > 10_000, f"TensorBoard's web app did not render: {png}"
+    main = image[120:, 360:]
+    dark = int((main.max(axis=-1) < 100).sum())  # the table's text
+    assert dark > 5_000, f"no table text on {png} ({dark} dark pixels)"
