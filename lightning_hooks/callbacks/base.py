@@ -207,9 +207,9 @@ class HookCallback(Callback):
             raise MisconfigurationException(
                 f"`{type(self).__name__}` does not support tensor parallelism yet (`ModelParallelStrategy` with "
                 f"`tensor_parallel_size={size}`): what it records of a layer is split or replicated across the "
-                f"tensor-parallel ranks, and it does not yet put the parts together. `GradStats`, `ActivationStats`, "
-                f"`GradClamp`, `NonFiniteGuard` and `MemoryLogger` do; for `{type(self).__name__}`, train with "
-                f"`tensor_parallel_size=1` (`fully_shard` over the data-parallel ranks) or DDP."
+                f"tensor-parallel ranks, and it does not yet put the parts together. The other callbacks do; for "
+                f"`{type(self).__name__}`, train with `tensor_parallel_size=1` (`fully_shard` over the data-parallel "
+                f"ranks) or DDP."
             )
 
     @override

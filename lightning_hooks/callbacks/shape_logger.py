@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, note_recorded
+from lightning_hooks.callbacks.base import HookCallback, note_recorded, tensor_parallel_mesh
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import has_compiled, run_eager
 from lightning_hooks.core.nested import Signature, format_signature, leaf_shapes, signature
@@ -57,6 +57,8 @@ class ShapeLogger(HookCallback):
         >>> trainer = Trainer(callbacks=[ShapeLogger(types=["Linear", "Conv2d"])], logger=False)
     """
 
+    tensor_parallel = True
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -79,6 +81,7 @@ class ShapeLogger(HookCallback):
         self._params: dict[str, int] = {}
         self._compiled = False
         """Whether some selected module is inside a compiled region: recorded steps then run it eagerly."""
+        self._tensor_parallel = False
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -87,6 +90,7 @@ class ShapeLogger(HookCallback):
         self._last_batch = None
         self._printed_batch = None
         self._compiled = has_compiled(pl_module, modules)
+        self._tensor_parallel = tensor_parallel_mesh(trainer) is not None
 
     @override
     def _detach(self) -> None:
@@ -117,7 +121,7 @@ class ShapeLogger(HookCallback):
             self._batch = signature(batch)
             self._recorder.clear()
             self._recorder.active = True
-            self._recorder.attach(self._modules, self._step_handles, self._params)
+            self._recorder.attach(self._modules, self._step_handles, self._params, prepend=self._tensor_parallel)
             run_eager(self, self._compiled)
 
     @override

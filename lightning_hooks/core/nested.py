@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from lightning_hooks.core.shards import is_sharded, local
+
 __all__ = ["Signature", "call_inputs", "format_signature", "leaf_shapes", "named_tensors", "signature"]
 
 Leaf = tuple[int, ...] | str
@@ -80,9 +82,13 @@ def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 
 def describe(value: Any) -> Leaf:
-    """A tensor's shape as a tuple of ints; anything else by its type name."""
+    """A tensor's shape as a tuple of ints (a ``DTensor``'s whole shape, and this process's part where it is
+    smaller: ``"[4, 6, 32] (local [4, 6, 16])"``); anything else by its type name."""
     if isinstance(value, torch.Tensor):
-        return tuple(int(d) for d in value.shape)
+        shape = tuple(int(d) for d in value.shape)
+        if is_sharded(value) and (part := tuple(int(d) for d in local(value).shape)) != shape:
+            return f"{format_leaf(shape)} (local {format_leaf(part)})"
+        return shape
     return "None" if value is None else type(value).__name__
 
 

@@ -44,9 +44,15 @@ class ShapeRecorder:
         self.rows, self._open = [], {}
 
     def attach(
-        self, modules: list[tuple[str, nn.Module]], handles: HookHandles, params: dict[str, int] | None = None
+        self,
+        modules: list[tuple[str, nn.Module]],
+        handles: HookHandles,
+        params: dict[str, int] | None = None,
+        prepend: bool = False,
     ) -> None:
-        """Hook ``modules`` into ``handles``; ``params`` (qualified name to parameter count) saves recounting them."""
+        """Hook ``modules`` into ``handles``; ``params`` (qualified name to parameter count) saves recounting them.
+        With ``prepend`` the output hooks go before the modules' own (under tensor parallelism: a parallelised
+        module's output is seen as the ``DTensor`` it made, before its style turns it into a local tensor)."""
 
         def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
             count = params[name] if params is not None else parameter_count(module)
@@ -54,7 +60,7 @@ class ShapeRecorder:
 
         hooks = made_once(self._hooks, modules, make)
         handles.add_forward_pre_hooks([(module, pre) for module, (pre, _) in hooks], with_kwargs=True)
-        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True)
+        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True, prepend=prepend)
 
     def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
         """What the recorded rows say, comparable between steps."""

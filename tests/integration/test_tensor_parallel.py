@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.helpers import events, make_trainer, scalars
+from tests.support.helpers import events, make_trainer, scalars, texts
 from tests.support.tp_run import BATCH, CLAMP, MODES, STEPS, TransformerNet, callbacks
 
 pytestmark = pytest.mark.ddp
@@ -78,6 +78,10 @@ def test_every_logged_value_equals_one_process(mode: str, tmp_path: Path, refere
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-7), (tag, step)
             checked += 1
     assert checked > 300
+    if mode == "tp2":  # the shape table: a parallelised layer's whole output, and this rank's part of it
+        table = texts(tmp_path / "tb", "shapes/train")[0]
+        up = next(line for line in table.splitlines() if line.startswith("| blocks.0.up "))
+        assert "| [4, 6, 16] | [4, 6, 32] (local [4, 6, 16]) | 544 |" in up, up
     # Every element clamped counted once: by hand on the union's gradients at step 0.
     model = TransformerNet(batch_size=BATCH * (processes // tensor_parallel))
     model.load_state_dict(torch.load(tmp_path / "initial.pt"))

@@ -37,6 +37,7 @@ from lightning_hooks import (  # noqa: E402
     MemoryLogger,
     NonFiniteError,
     NonFiniteGuard,
+    ShapeLogger,
 )
 
 STEPS = 3
@@ -178,7 +179,7 @@ class PoisonRank1(pl.Callback):
 
 
 def callbacks() -> list[pl.Callback]:
-    return [GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
+    return [ShapeLogger(), GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
 
 
 def main() -> None:
