@@ -65,8 +65,6 @@ class ActivationStats(StatsCallback):
         >>> trainer = Trainer(callbacks=[ActivationStats(types=["ReLU"], stats=["zero_frac"])], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         log_every_n_steps: int | None = None,

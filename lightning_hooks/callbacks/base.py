@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -132,10 +132,6 @@ class HookCallback(Callback):
     """Base of the callbacks: modules are selected in ``on_fit_start``, hooked by :meth:`_attach` for the fit
     (``self._handles``) or for a step (``self._step_handles``), and unhooked on every exit path."""
 
-    tensor_parallel: ClassVar[bool] = False
-    """Whether the callback is exact under tensor parallelism (``ModelParallelStrategy(tensor_parallel_size>1)``);
-    the others refuse it at ``setup``."""
-
     def __init__(
         self,
         *,
@@ -197,20 +193,6 @@ class HookCallback(Callback):
     def state_key(self) -> str:
         # Two instances of one callback with different selections keep separate checkpoint state.
         return self._state_key
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if stage != "fit" or not isinstance(strategy, ModelParallelStrategy):
-            return
-        if (size := strategy.device_mesh["tensor_parallel"].size()) > 1 and not self.tensor_parallel:
-            raise MisconfigurationException(
-                f"`{type(self).__name__}` does not support tensor parallelism yet (`ModelParallelStrategy` with "
-                f"`tensor_parallel_size={size}`): what it records of a layer is split or replicated across the "
-                f"tensor-parallel ranks, and it does not yet put the parts together. The other callbacks do; for "
-                f"`{type(self).__name__}`, train with `tensor_parallel_size=1` (`fully_shard` over the data-parallel "
-                f"ranks) or DDP."
-            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -369,7 +351,9 @@ class StatsCallback(HookCallback):
             self._dashboard.finish(trainer)
         super().on_train_end(trainer, pl_module)
 
-    def _across(self, trainer: pl.Trainer, groups: set[str]) -> Across | None:
+    def _across(
+        self, trainer: pl.Trainer, groups: set[str], per_unit: frozenset[tuple[str, str]] = frozenset()
+    ) -> Across | None:
         """How to pool the states of ``groups`` over ranks (``None`` in one process); every rank must fetch with it."""
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return None
@@ -393,8 +377,9 @@ class StatsCallback(HookCallback):
             torch.distributed.all_gather_into_tensor(copies, tensor, group=group)
             return copies.view(-1, *tensor.shape)
 
-        outputs = {"act": "act", "out": "fwd"}  # an output gradient is laid out as the output it is of
-        return Across(frozenset(groups), agree, reduce, replicas, tensor_parallel.get_local_rank(), outputs)
+        # An output gradient is laid out as the output it is of; HealthMonitor's vectors decide for themselves.
+        outputs = {"act": "act", "out": "fwd", "units": "units", "sat": "sat", "input": "input"}
+        return Across(frozenset(groups), agree, reduce, replicas, tensor_parallel.get_local_rank(), outputs, per_unit)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:
         """Log the chosen :func:`metrics` of ``group`` and hand its states to the dashboard."""

@@ -61,8 +61,6 @@ class GradClamp(HookCallback):
         >>> trainer = Trainer(callbacks=[GradClamp(0.2)], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         value: float,

@@ -79,8 +79,6 @@ class GradStats(StatsCallback):
         >>> trainer = Trainer(callbacks=[GradStats(log_every_n_steps=100, output_grads=False)], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         log_every_n_steps: int | None = None,

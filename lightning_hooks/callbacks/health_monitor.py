@@ -9,13 +9,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, refuse_sharded
+from lightning_hooks.callbacks.base import StatsCallback, data_parallel_size, refuse_sharded
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label, trainable_parameters
-from lightning_hooks.core.shards import counted_part, is_sharded, local
+from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
 from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
@@ -248,11 +248,12 @@ class HealthMonitor(StatsCallback):
             for path, t in named_tensors(batch):
                 if t.is_floating_point() and t.numel():
                     self._batch.add_vector(("input", path), t.detach().float().square().sum().reshape(1))
-                    self._inputs[path] = self._inputs.get(path, 0) + t.numel() * trainer.world_size
+                    self._inputs[path] = self._inputs.get(path, 0) + t.numel() * data_parallel_size(trainer)
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._watch_outputs:
+            self._units.prepend = self._tensor_parallel
             self._units.attach(self._leaves, self._step_handles)
 
     @override
@@ -288,7 +289,10 @@ class HealthMonitor(StatsCallback):
         self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
         if read:
             self._read.update(id(p) for _, p in read)
-            values = gradient_norms([dense_gradient(counted_part(p.grad)) for _, p in read])  # type: ignore[arg-type]
+            # pooled over processes (some parameter sharded), a plain parameter is the same on every rank: rank 0's
+            grads: list[torch.Tensor] = [p.grad for _, p in read]  # type: ignore[misc]
+            part = [counted_part(g) if is_sharded(g) or not self._sharded else replica_part(g) for g in grads]
+            values = gradient_norms([dense_gradient(g) for g in part])
             self._grad_names.append([name for name, _ in read])
             self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
 
@@ -305,7 +309,8 @@ class HealthMonitor(StatsCallback):
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
-        fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}))
+        per_unit = frozenset(self._units.per_unit)
+        fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}, per_unit))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._checked_until = step
         new = self._tracker.update(snap)
@@ -323,6 +328,7 @@ class HealthMonitor(StatsCallback):
     def _snapshot(
         self, fetched: Fetched, step: int, ring_steps: list[int], with_norms: set[int], trainer: pl.Trainer
     ) -> Snapshot:
+        replicas = data_parallel_size(trainer)
         outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
         units: dict[str, list[float]] = {}
         vectors = fetched.vectors
@@ -331,8 +337,9 @@ class HealthMonitor(StatsCallback):
                 continue
             layer, per_unit = key[1].split(".out.", 1)[0], key in self._units.per_unit
             sum_sq = math.fsum(values)
-            # the values each unit saw: this process's count times the processes (DDP ranks see batches alike)
-            numel = float(self._units.samples.get(key, 0) * len(values) * trainer.world_size)
+            # the values each unit saw: this process's count times the data-parallel processes (which see batches
+            # alike), times the tensor-parallel shards added up into one sum
+            numel = float(self._units.samples.get(key, 0) * len(values) * replicas * fetched.parts.get(key, 1))
             outputs.setdefault(layer, []).append(
                 State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
             )
@@ -370,7 +377,6 @@ class HealthMonitor(StatsCallback):
                 norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
                 row += ring_step in with_norms
         executed = [label(name) for name in self._units.order]
-        world = trainer.world_size
         return Snapshot(
             step=step,
             order=[*executed, *(name for name in self._order if name not in set(executed))],
@@ -384,7 +390,7 @@ class HealthMonitor(StatsCallback):
                 k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"
             },
             saturated={
-                label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * world, 1)
+                label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
                 for k, v in vectors.items()
                 if k[0] == "sat"
             },

@@ -63,8 +63,6 @@ class MemoryLogger(HookCallback):
         >>> trainer = Trainer(callbacks=[MemoryLogger(at_step=1, max_depth=2)], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         at_step: int = 1,

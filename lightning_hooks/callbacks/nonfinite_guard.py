@@ -97,8 +97,6 @@ class NonFiniteGuard(HookCallback):
         >>> trainer = Trainer(callbacks=[NonFiniteGuard(action="skip_step")], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         check_every_n_steps: int = 1,

@@ -57,8 +57,6 @@ class ShapeLogger(HookCallback):
         >>> trainer = Trainer(callbacks=[ShapeLogger(types=["Linear", "Conv2d"])], logger=False)
     """
 
-    tensor_parallel = True
-
     def __init__(
         self,
         log_every_n_steps: int | None = None,

@@ -12,6 +12,7 @@ from lightning_hooks.core.autograd import graph_task_id, in_backward
 from lightning_hooks.core.compiled import Pending, Region, Switched
 from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
+from lightning_hooks.core.shards import counted_part
 from lightning_hooks.stats.batch import OutputKeys, StatBatch
 
 __all__ = ["ActivationRecorder", "UnitRecorder"]
@@ -115,6 +116,8 @@ class UnitRecorder:
         """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
         self.order: dict[str, None] = {}
         self.saturable: dict[str, int] = {}
+        self.prepend = False
+        """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
 
     def start(self) -> None:
         self.samples, self.order, self.saturable = {}, {}, {}
@@ -124,7 +127,7 @@ class UnitRecorder:
         for name, module in modules:
             units = next(module.parameters(recurse=False), None) is None
             hooks.append((module, _UnitHook(self, name, channels_first(module), units)))
-        handles.add_forward_hooks(hooks)
+        handles.add_forward_hooks(hooks, prepend=self.prepend)
 
 
 _WIDENED = (torch.float16, torch.bfloat16)
@@ -148,7 +151,7 @@ class _UnitHook:
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
-            x = tensor.detach()
+            x = counted_part(tensor.detach(), copies_off_mesh=False)  # a DTensor's own part (tensor parallelism)
             key = recorder.keys.key(self.name, path)
             squares = (x.float() if x.dtype in _WIDENED else x).square()
             if self.units and x.dim() >= 2:

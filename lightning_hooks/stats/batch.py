@@ -73,6 +73,9 @@ class Across(NamedTuple):
     replicas: Callable[[torch.Tensor], torch.Tensor] | None = None
     replica: int = 0
     outputs: Mapping[str, str] = {}
+    per_unit: frozenset[Key] = frozenset()
+    """Vectors of one value per unit of an output: where the group's copies differ, the units are split between
+    them, and the vectors are joined end to end (other vectors of ``outputs`` groups that differ are added up)."""
 
 
 class Fetched(NamedTuple):
@@ -83,6 +86,8 @@ class Fetched(NamedTuple):
     histograms: dict[Key, Histogram]
     scalars: dict[Key, float]
     vectors: dict[Key, list[float]]
+    parts: Mapping[Key, int] = {}
+    """Under tensor parallelism, for a vector of an output's shards added up over the group: how many parts."""
 
 
 class StatBatch:
@@ -252,12 +257,17 @@ class StatBatch:
         scalar_keys = [k for ks, _ in self._scalars for k in ks]
         parts += [values.to(device) for _, values in self._scalars]
         vectors = [(k, self._vectors[k]) for k in vector_keys]
+        parts_of: dict[Key, int] = {}
         if shared_vectors:
             assert across is not None
             pooled = [
                 self._vectors[k] if k in self._vectors else torch.zeros(n, dtype=torch.float64)
                 for k, n in shared_vectors
             ]
+            if across.replicas is not None:
+                pooled, shared_vectors, parts_of = _tensor_parallel_vectors(
+                    [v.to(device) for v in pooled], shared_vectors, across
+                )
             joined = across.reduce(torch.cat([v.to(device) for v in pooled]), "sum")
             vectors += list(
                 zip([k for k, _ in shared_vectors], joined.split([n for _, n in shared_vectors]), strict=True)
@@ -265,7 +275,8 @@ class StatBatch:
         parts += [v.to(device) for _, v in vectors]
         self.clear()
         host = torch.cat(parts).cpu().tolist()  # the one host transfer
-        return self._read(host, keys, hist_keys, scalar_keys, [(k, v.numel()) for k, v in vectors])
+        fetched = self._read(host, keys, hist_keys, scalar_keys, [(k, v.numel()) for k, v in vectors])
+        return fetched._replace(parts=parts_of) if parts_of else fetched
 
     def _pooled(self, keys: list[Key], device: torch.device) -> torch.Tensor:
         """One state per key of ``keys`` (a key with nothing recorded here is an empty state)."""
@@ -329,3 +340,37 @@ def _replicated(states: torch.Tensor, keys: list[Key], across: Across) -> torch.
     decider = [row.get((across.outputs[group], name), -1) if group in across.outputs else -1 for group, name in keys]
     index = torch.tensor(decider, device=states.device)
     return torch.where(index >= 0, alike[index.clamp_min(0)], False)
+
+
+def _tensor_parallel_vectors(
+    vectors: list[torch.Tensor], sizes: list[tuple[Key, int]], across: Across
+) -> tuple[list[torch.Tensor], list[tuple[Key, int]], dict[Key, int]]:
+    """What this process adds to each shared vector's sum over every process under tensor parallelism, the new
+    sizes, and the parts of the vectors added up over the group. A vector of an ``outputs`` group alike on the whole
+    tensor-parallel group is a copy, added once; one that differs is of shards: joined end to end if
+    ``per_unit`` (every process of the group holds the joined vector, the first adds it), else added up."""
+    assert across.replicas is not None
+    flat = torch.cat(vectors)
+    copies = across.replicas(flat)
+    same = (copies == flat) | (copies.isnan() & flat.isnan())
+    spans = torch.tensor([n for _, n in sizes], device=flat.device).cumsum(0)
+    starts = [0, *spans[:-1].tolist()]
+    differs = torch.stack([(~same[:, a:b]).any() for a, b in zip(starts, spans.tolist(), strict=True)]).double()
+    split = (across.reduce(differs, "max") > 0).tolist()  # decided alike on every process
+    out: list[torch.Tensor] = []
+    new_sizes: list[tuple[Key, int]] = []
+    parts: dict[Key, int] = {}
+    first = across.replica == 0
+    for (key, n), vector, a, shards in zip(sizes, vectors, starts, split, strict=True):
+        if key[0] not in across.outputs:
+            out.append(vector)
+        elif not shards:
+            out.append(vector if first else torch.zeros_like(vector))
+        elif key in across.per_unit:
+            joined = copies[:, a : a + n].reshape(-1)
+            out.append(joined if first else torch.zeros_like(joined))
+        else:
+            out.append(vector)
+            parts[key] = copies.shape[0]
+        new_sizes.append((key, out[-1].numel()))
+    return out, new_sizes, parts

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_hooks import HealthMonitor
 from tests.support.helpers import events, make_trainer, scalars, texts
-from tests.support.tp_run import BATCH, CLAMP, MODES, STEPS, TransformerNet, callbacks
+from tests.support.tp_run import BATCH, CLAMP, HEALTH_STEPS, MODES, STEPS, TransformerNet, callbacks
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).parents[1] / "support" / "tp_run.py"
@@ -114,3 +115,16 @@ def test_the_guard_names_the_rank_and_layer_where_values_went_wrong_and_memory_i
         assert rank["finding"][-1] == "step 1, batch 1, rank 1", rank
         assert rank["memory"]["rows"] > 10, rank
         assert "largest over 2 ranks" in rank["memory"]["summary"], rank
+
+
+def test_health_monitor_judges_units_split_between_ranks_as_one_process_does(tmp_path: Path) -> None:
+    ranks = run("tp2", tmp_path, "--health")
+    model = TransformerNet(dead=True)
+    monitor = HealthMonitor(log_every_n_steps=1)
+    make_trainer(tmp_path / "single", [monitor], max_steps=HEALTH_STEPS).fit(model)
+    expected = [(f.check, list(f.layers), f.step, pytest.approx(f.value, rel=1e-4)) for f in monitor.findings]
+    # Rank 1 holds all 12 dead units of the first MLP's 32: 0.375 dead, over the 0.25 line.
+    assert ("dead_units", ["blocks.0.act"]) in [(check, layers) for check, layers, _, _ in expected]
+    for rank in ranks:
+        assert "error" not in rank, rank
+        assert [tuple(f) for f in rank["findings"]] == [tuple(f) for f in expected], rank["findings"]

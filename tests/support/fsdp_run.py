@@ -7,7 +7,8 @@ becomes a ``DTensor`` sharded over the two processes. ``fit`` runs every callbac
 ``GradClamp(mode="accumulated")``, and ``backward`` with ``GradClamp(mode="backward")``; ``fail`` makes
 rank 1's ``training_step`` raise at step 1 while rank 0 goes on into FSDP's collectives;
 ``nan`` puts a NaN into rank 1's shard of ``fc2.weight``'s gradient at step 1;
-``tensor-parallel`` must be refused at ``setup``. Each rank writes what it saw to ``DIR/rank<N>.json``.
+``tensor-parallel`` runs them all with a tensor-parallel mesh of 2. Each rank writes what it saw to
+``DIR/rank<N>.json``.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from lightning_hooks import (  # noqa: E402
     ActivationStats,
     GradClamp,
     GradStats,
+    HealthMonitor,
     MemoryLogger,
     NonFiniteError,
     NonFiniteGuard,
@@ -41,6 +42,7 @@ from lightning_hooks import (  # noqa: E402
 )
 
 STEPS = 3
+HEALTH_STEPS = 30
 BATCH = 4  # per data-parallel rank
 CLAMP = 0.005
 MODES = {"dp2-tp2": (4, 2), "hsdp": (4, 1), "tp2": (2, 2)}
@@ -86,12 +88,15 @@ class Block(nn.Module):
 class TransformerNet(pl.LightningModule):
     """Two blocks over a sequence of 6 vectors of 16, mean-pooled into 3 classes: the same weights in every mode."""
 
-    def __init__(self, mode: str = "single", batch_size: int = BATCH) -> None:
+    def __init__(self, mode: str = "single", batch_size: int = BATCH, dead: bool = False) -> None:
         super().__init__()
         self.mode, self.batch_size = mode, batch_size
         torch.manual_seed(0)
         self.blocks = nn.Sequential(Block(16), Block(16))
         self.head = nn.Linear(16, 3)
+        if dead:  # 12 of the first MLP's 32 units never fire: all of them in the second half, tp rank 1's
+            with torch.no_grad():
+                self.blocks[0].up.bias[20:] = -100.0
         generator = torch.Generator().manual_seed(1)
         self.x = torch.randn(64, 6, 16, generator=generator)
         self.y = torch.randint(0, 3, (64,), generator=generator)
@@ -188,12 +193,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--backward-clamp", action="store_true", help="GradClamp(mode='backward'): refused")
     parser.add_argument("--guard", action="store_true", help="NonFiniteGuard and MemoryLogger, a NaN on rank 1")
+    parser.add_argument("--health", action="store_true", help=f"HealthMonitor over {HEALTH_STEPS} steps, dead units")
     args = parser.parse_args()
     out = Path(args.out)
     processes, tensor_parallel = MODES[args.mode]
-    model = TransformerNet(args.mode)
+    model = TransformerNet(args.mode, dead=args.health)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    guard, memory = NonFiniteGuard(), MemoryLogger(at_step=0)
+    guard, memory, monitor = NonFiniteGuard(), MemoryLogger(at_step=0), HealthMonitor(log_every_n_steps=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=processes,
@@ -202,10 +208,12 @@ def main() -> None:
             tensor_parallel_size=tensor_parallel,
             timeout=timedelta(seconds=60),
         ),
-        max_steps=STEPS,
+        max_steps=HEALTH_STEPS if args.health else STEPS,
         logger=TensorBoardLogger(out, name="tb", version=0),
         callbacks=[guard, memory, PoisonRank1()]
         if args.guard
+        else [monitor]
+        if args.health
         else [
             *callbacks(),
             GradClamp(CLAMP, mode="backward" if args.backward_clamp else "accumulated", log_every_n_steps=1),
@@ -227,6 +235,7 @@ def main() -> None:
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()
     result["placements"] = {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()}
+    result["findings"] = [(f.check, list(f.layers), f.step, f.value) for f in monitor.findings]
     if trainer.global_rank == 0:
         torch.save(initial, out / "initial.pt")
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
