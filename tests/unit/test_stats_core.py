@@ -227,7 +227,7 @@ def test_closed_batch_takes_nothing() -> None:
     batch.add(("act", "late"), torch.ones(2))
     batch.add_vector(("units", "late"), torch.ones(2))
     batch.start()
-    assert batch.fetch() == ({}, {}, {}, {}, {})
+    assert batch.fetch() == ({}, {}, {}, {}, {}, {})
 
 
 MIXED = [
