@@ -91,6 +91,9 @@ def test_every_logged_value_equals_one_process(mode: str, tmp_path: Path, refere
     grads = [p.grad for p in model.parameters()]
     clamped = sum(int((g.abs() > CLAMP).sum()) for g in grads) / sum(g.numel() for g in grads)
     assert scalars(tmp_path / "tb", "grad_clamp/clamped_fraction")[0] == pytest.approx(clamped)
+    # The total norm is torch's of the full gradients (read before the clamp, which comes after GradStats).
+    total = float(torch.nn.utils.get_total_norm(grads))
+    assert scalars(tmp_path / "tb", "grad_norm_total")[0] == pytest.approx(total, rel=1e-4)
 
 
 def test_the_backward_clamp_refuses_tensor_parallelism_on_every_rank(tmp_path: Path) -> None:
