@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from examples.encoder import EncoderLM
-from examples.transformer import TokenDataModule
-from lightning_hooks import MemoryLogger
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.encoder import EncoderLM  # noqa: E402
+from examples.transformer import TokenDataModule  # noqa: E402
+from lightning_hooks import MemoryLogger  # noqa: E402
 
 
 class StepTimer(pl.Callback):
