@@ -243,3 +243,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave no gloo process group for interpreter shutdown to tear down: its threads can abort the process there.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
