@@ -353,15 +353,16 @@ def _tensor_parallel_vectors(
     flat = torch.cat(vectors)
     copies = across.replicas(flat)
     same = (copies == flat) | (copies.isnan() & flat.isnan())
-    spans = torch.tensor([n for _, n in sizes], device=flat.device).cumsum(0)
-    starts = [0, *spans[:-1].tolist()]
-    differs = torch.stack([(~same[:, a:b]).any() for a, b in zip(starts, spans.tolist(), strict=True)]).double()
-    split = (across.reduce(differs, "max") > 0).tolist()  # decided alike on every process
+    starts = [0]
+    for _, n in sizes:
+        starts.append(starts[-1] + n)
+    differs = torch.stack([(~same[:, a:b]).any() for a, b in zip(starts, starts[1:], strict=False)]).double()
+    split = (across.reduce(differs, "max") > 0).tolist()  # decided alike on every process: the one read
     out: list[torch.Tensor] = []
     new_sizes: list[tuple[Key, int]] = []
     parts: dict[Key, int] = {}
     first = across.replica == 0
-    for (key, n), vector, a, shards in zip(sizes, vectors, starts, split, strict=True):
+    for (key, n), vector, a, shards in zip(sizes, vectors, starts[:-1], split, strict=True):
         if key[0] not in across.outputs:
             out.append(vector)
         elif not shards:
