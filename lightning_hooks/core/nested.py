@@ -4,7 +4,7 @@ mappings it treats as opaque opened too); nothing here raises on an unknown type
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ def _key(entry: Any) -> str:
 
 
 def _opaque_container(obj: Any) -> bool:
+    if obj is None or isinstance(obj, torch.Tensor):  # the usual leaves, decided without a question dynamo can't trace
+        return False
     return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or (
         isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES
     )
@@ -47,27 +49,30 @@ def named_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
         >>> [(p, type(v).__name__) for p, v in named_leaves((torch.zeros(2), {"h": None}))]
         [('0', 'Tensor'), ('1.h', 'NoneType')]
     """
-    return list(_leaves(obj, prefix, 0))
+    found: list[tuple[str, Any]] = []
+    _leaves(obj, prefix, 0, found)
+    return found
 
 
-def _leaves(obj: Any, prefix: str, level: int) -> Iterator[tuple[str, Any]]:
+def _leaves(obj: Any, prefix: str, level: int, found: list[tuple[str, Any]]) -> None:
+    # A list filled in, not a generator: a graph break inside a generator makes dynamo skip the whole frame.
     try:
         flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=_opaque_container)
     except Exception:  # a broken flatten function registered by someone else: show the object whole
-        yield prefix, obj
+        found.append((prefix, obj))
         return
     for path, leaf in flat:
         name = ".".join([prefix, *(_key(k) for k in path)] if prefix else [_key(k) for k in path])
         if level >= _MAX_DEPTH or not _opaque_container(leaf):
-            yield name, leaf
+            found.append((name, leaf))
             continue
         try:
             children = _children(leaf)
         except Exception:  # a dataclass or mapping whose fields cannot be read
-            yield name, leaf
+            found.append((name, leaf))
             continue
         for key, child in children.items():
-            yield from _leaves(child, f"{name}.{key}" if name else key, level + 1)
+            _leaves(child, f"{name}.{key}" if name else key, level + 1, found)
 
 
 def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -247,3 +247,46 @@ def test_shape_logger_leaves_a_compiled_region_compiled_while_batch_shapes_stay(
     printed = capsys.readouterr().out
     assert printed.count("ShapeLogger: CompiledBody · step 0") == 1  # the region's modules recorded, once
     assert "body.fc1" in printed
+
+
+class Block(nn.Module):
+    """A layer returning ``(hidden, None)``, as transformers' blocks return their optional cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.fc(x), None
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x, _ = block(x)
+        return x
+
+
+class Blocks(TinyNet):
+    """A compiled stack of :class:`Block` and an eager head."""
+
+    def __init__(self) -> None:
+        super().__init__(n=N)
+        del self.fc1, self.fc2, self.act, self.unused
+        self.stack = torch.compile(Stack())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stack(x))
+
+
+def test_a_nested_output_with_none_breaks_no_graph(tmp_path: Path) -> None:
+    # On torch 2.11 (the GPU image's), asking whether None is a dataclass while walking such an output broke the
+    # logging graph of GPT-2's blocks inside a generator, so that dynamo skipped their frame and ran it eagerly.
+    run = fit(tmp_path, Blocks(), [ActivationStats(log_every_n_steps=1)], max_steps=2)
+    assert run.breaks == 0
+    assert sorted(scalars(tmp_path, "act_mean/stack.blocks.0.out.0")) == [0, 1]
