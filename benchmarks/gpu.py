@@ -9,27 +9,32 @@ sequence 512, batch 8 of random tokens), trained with AdamW under ``precision="b
 as it is (eager) and once with ``torch.compile`` on it inside the LightningModule. Sections, each
 written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measured):
 
-1. **Step time.** Fits without callbacks, with all six at ``log_every_n_steps=50``, with the four
-   observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor), with GradStats and
-   ActivationStats, with NonFiniteGuard alone and with a prototype of its flag read one step late
-   (``LaggedGuard``, below). Each fit leaves out its first ``WARMUP`` steps (compiles) and times
-   windows of 50 steps (each holds one logging step) between two synchronisations; the figure is
-   the median window over every fit of a variant, relative to the baseline's. Fits run in rounds,
-   every variant once per round in an order rotated every round, until the budget's share for the
-   section is spent. Peak memory (``torch.cuda.max_memory_allocated`` from the fit's start) comes
-   from the same fits.
-2. **The logging step's extra time**: a fit with all six logging every 10 steps, synchronised at
-   every step: the median logging step less the median quiet step.
-3. **Synchronisations**: ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
-   without callbacks, with every callback but NonFiniteGuard, with NonFiniteGuard alone (its one
-   flag read a step expected) and with ``LaggedGuard``, counting what each warns of; then, where the
-   fit without callbacks synchronised nowhere, every callback but NonFiniteGuard under ``"error"``.
-4. **Memory tools for MemoryLogger (#33)**: the cost of recording the allocator's history while
-   training (``torch.cuda.memory._record_memory_history``) against the same fit without; a
-   snapshot written after a step made to run out of memory; and torch's ``MemTracker`` peak for one
-   step against ``torch.cuda.max_memory_allocated``.
-5. **Where a logging step's host time goes**: cProfile over two logging steps of all six, eager,
-   into ``profile.txt``.
+0. **One tensor's reduction** (``micro``): host and total microseconds per call of StatBatch's reduction on
+   tensors of this model's sizes, eager operators against the ``CompiledStatistics`` prototype (the same
+   function under ``torch.compile``), their largest difference, and the compile's own seconds.
+1. **Step time** (``time``). Fits without callbacks, with all six at ``log_every_n_steps=50`` (also with the
+   prototype), with the four observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor) and with
+   NonFiniteGuard alone. Each fit leaves out its first ``WARMUP`` steps (compiles) and times windows of 50
+   steps (each holds one logging step) between two synchronisations; the figure is the median window over
+   every fit of a variant, relative to the baseline's. Fits run in rounds, every variant once per round in
+   an order rotated every round, until the budget's share for the section is spent. Peak memory
+   (``torch.cuda.max_memory_allocated`` from the fit's start) comes from the same fits.
+2. **The logging step's extra time** (``logging``): fits logging every 10 steps, synchronised at every
+   step, without callbacks, for all six, GradStats with ActivationStats (each also with the prototype) and
+   HealthMonitor: the median logging step less the median quiet step (a quiet step's cost shows against the
+   fit without callbacks).
+3. **MemoryLogger** (``memory_logger``): its peak of the recorded step against
+   ``torch.cuda.max_memory_allocated`` over the same step, and the recorded step's time.
+4. **Synchronisations** (``sync``): ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
+   without callbacks, with every callback but NonFiniteGuard and with NonFiniteGuard alone (its one flag
+   read a step expected), counting what each warns of; then, where the fit without callbacks synchronised
+   nowhere, every callback but NonFiniteGuard under ``"error"``.
+5. **Memory tools** (``memory``): the cost of recording the allocator's history while training
+   (``torch.cuda.memory._record_memory_history``, torch's defaults and MemoryLogger's lean setting) against
+   the same fit without; a snapshot written after a step made to run out of memory; and torch's
+   ``MemTracker`` peak for one step against ``torch.cuda.max_memory_allocated``.
+6. **Where a logging step's host time goes** (``profile``): cProfile over two logging steps of all six,
+   eager, into ``profile.txt``.
 
 ``--modes`` and ``--sections`` pick what runs.
 
@@ -77,8 +82,8 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
-from lightning_hooks.callbacks.nonfinite_guard import _strided_gradients  # noqa: E402
-from lightning_hooks.recorders.finite import _finite_total  # noqa: E402
+from lightning_hooks.stats import batch as batch_module  # noqa: E402
+from lightning_hooks.stats import state as state_module  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq": 512, "batch": 8, "vocab": 50257},
@@ -87,6 +92,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 EVERY = 50
 WARMUP = 10
+SECTIONS = ("micro", "time", "logging", "memory_logger", "memory", "sync", "profile")
 
 
 class GPT2(pl.LightningModule):
@@ -101,6 +107,7 @@ class GPT2(pl.LightningModule):
             n_layer=s["n_layer"], n_embd=s["n_embd"], n_head=s["n_head"], n_positions=s["seq"], vocab_size=s["vocab"]
         )
         model = GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # named: transformers' warning that it is not breaks the compiled graph in two
         self.model = torch.compile(model) if compiled else model
         generator = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, s["vocab"], (32 * s["batch"], s["seq"]), generator=generator)
@@ -119,32 +126,74 @@ class GPT2(pl.LightningModule):
         return DataLoader(self.tokens, batch_size=self.batch_size, shuffle=True, drop_last=True)  # type: ignore[arg-type]
 
 
-class LaggedGuard(NonFiniteGuard):
-    """A prototype of NonFiniteGuard's flag read one step late: the same check on the device, copied without
-    blocking into pinned memory behind an event, and read at the next optimizer step (by then long done).
+class CompiledStatistics(pl.Callback):
+    """A prototype: for the fit, StatBatch reduces each tensor with ``torch.compile(raw_rows, dynamic=True)``
+    instead of eager operators (one fused kernel or two instead of about eleven), to measure what a logging step's
+    host time would gain. Inductor on CUDA, ``aot_eager`` on the CPU (``--smoke`` only checks the plumbing)."""
 
-    It measures what an asynchronous flag would cost; it raises on a bad step, one step late, and replays nothing.
-    """
+    compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._host: torch.Tensor | None = None
-        self._event: Any = None
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if CompiledStatistics.compiled is None:
+            backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+            CompiledStatistics.compiled = torch.compile(state_module.raw_rows, dynamic=True, backend=backend)
+        rows = CompiledStatistics.compiled
 
-    def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-            assert self._host is not None
-            if not math.isfinite(float(self._host)):
-                raise FloatingPointError(f"non-finite gradients at step {step - 1}")
-        grads = _strided_gradients(optimizer)
-        if not grads or grads[0].device.type != "cuda":
-            return
-        if self._host is None:
-            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        self._host.copy_(_finite_total(grads), non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        def pieces(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+            n = t.numel()
+            if n <= state_module.CHUNK:
+                return rows(t.reshape(1, -1)), [n]
+            parts = t.reshape(-1).split(state_module.CHUNK)
+            return torch.cat([rows(part.unsqueeze(0)) for part in parts]), [part.numel() for part in parts]
+
+        batch_module.raw_rows, batch_module.raw_pieces = rows, pieces
+
+    def on_fit_end(self, *args: Any) -> None:
+        batch_module.raw_rows, batch_module.raw_pieces = state_module.raw_rows, state_module.raw_pieces
+
+    on_exception = on_fit_end
+
+
+def statistics_micro(results: Results) -> None:
+    """Section 0: host microseconds per call of StatBatch's reduction of one tensor, eager against compiled
+    (``CompiledStatistics``), on tensors of GPT-2 small's sizes; and the compile's own seconds."""
+    with section(results, "one tensor's reduction") as found:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        compiled = CompiledStatistics.compiled = torch.compile(state_module.raw_rows, dynamic=True, backend=backend)
+        cases = {
+            "activation bf16 (8·512·768)": (1, 8 * 512 * 768, torch.bfloat16),
+            "mlp activation bf16 (8·512·3072)": (1, 8 * 512 * 3072, torch.bfloat16),
+            "weight grad fp32 (768·3072)": (1, 768 * 3072, torch.float32),
+            "bias grad fp32 (768)": (1, 768, torch.float32),
+            "slab fp32 (24 × 768)": (24, 768, torch.float32),
+        }
+        compile_s = []
+        for name, (rows, cols, dtype) in cases.items():
+            x = torch.randn(rows, cols, device=device).to(dtype)
+            sync()
+            start = time.perf_counter()
+            expected, got = state_module.raw_rows(x), compiled(x)
+            sync()
+            compile_s.append(time.perf_counter() - start)
+            err = ((got - expected).abs() / expected.abs().clamp_min(1e-6)).max().item()
+            timing: dict[str, float] = {}
+            for label, fn in (("eager", state_module.raw_rows), ("compiled", compiled)):
+                for _ in range(3):
+                    fn(x)
+                sync()
+                start = time.perf_counter()
+                for _ in range(50):
+                    fn(x)
+                host = time.perf_counter() - start
+                sync()
+                total = time.perf_counter() - start
+                timing[f"{label}_host_us"] = 1e6 * host / 50
+                timing[f"{label}_total_us"] = 1e6 * total / 50
+            found[name] = {**timing, "max_relative_difference": err}
+            results.put("one tensor's reduction", found)
+        found["first_calls_s"] = compile_s
+        found["dynamo"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "recompiles")}
 
 
 def all_six() -> list[pl.Callback]:
@@ -158,10 +207,22 @@ def observers() -> list[pl.Callback]:
 VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "without callbacks": list,
     "all six @50": all_six,
+    "all six @50, statistics compiled (prototype)": lambda: [CompiledStatistics(), *all_six()],
     "observers @50": observers,
-    "GradStats + ActivationStats @50": lambda: [GradStats(), ActivationStats()],
     "NonFiniteGuard": lambda: [NonFiniteGuard()],
-    "LaggedGuard (prototype)": lambda: [LaggedGuard()],
+}
+
+LOGGING_VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
+    "without callbacks": list,
+    "all six": all_six,
+    "all six, statistics compiled (prototype)": lambda: [CompiledStatistics(), *all_six()],
+    "GradStats + ActivationStats": lambda: [GradStats(), ActivationStats()],
+    "GradStats + ActivationStats, statistics compiled (prototype)": lambda: [
+        CompiledStatistics(),
+        GradStats(),
+        ActivationStats(),
+    ],
+    "HealthMonitor": lambda: [HealthMonitor()],
 }
 
 
@@ -272,8 +333,18 @@ def step_times(
                     break
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     clock = Clock(WARMUP, EVERY)
-                    where = root / mode / name.replace(" ", "_") / str(r)
+                    where = root / mode / name.replace(" ", "_").replace(",", "") / str(r)
+                    torch._dynamo.utils.counters.clear()
                     trainer(where, [clock, *VARIANTS[name]()], steps, EVERY).fit(module)
+                    if mode == "compiled":  # what dynamo did during this fit: graphs made, breaks and why
+                        counters = torch._dynamo.utils.counters
+                        found.setdefault("dynamo", {}).setdefault(name, []).append(
+                            {
+                                "unique_graphs": counters["stats"].get("unique_graphs", 0),
+                                "graph_breaks": dict(counters["graph_break"].most_common(5)),
+                                "recompiles": sum(counters["recompiles"].values()),
+                            }
+                        )
                     windows_ms[name] += [ms for _, ms in clock.step_ms()]
                     peaks[name] = max(peaks[name], clock.peak)
                 found["rounds"] = r + 1
@@ -287,21 +358,58 @@ def step_times(
 
 
 def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
-    """Section 2: every step timed between synchronisations, all six logging every 10 steps."""
+    """Section 2: every step timed between synchronisations, logging every 10 steps: the logging step's extra time
+    for each of ``LOGGING_VARIANTS`` (eager; compiled, the first three)."""
     every, steps = 10, 60
     for mode, module in modules.items():
         with section(results, f"logging step ({mode})") as found:
-            clock = Clock(0, 1)
-            trainer(root / "logging" / mode, [clock, *all_six()], steps, every).fit(module)
-            times = [(s, ms) for s, ms in clock.step_ms() if s >= WARMUP]
-            logging = [ms for s, ms in times if s % every == 0]
-            quiet = [ms for s, ms in times if s % every]
-            found.update(
-                logging_ms=_median(logging),
-                quiet_ms=_median(quiet),
-                extra_ms=_median(logging) - _median(quiet),
-                logging_steps=len(logging),
-            )
+            names = list(LOGGING_VARIANTS) if mode == "eager" else list(LOGGING_VARIANTS)[:3]
+            for name in names:
+                clock = Clock(0, 1)
+                where = root / "logging" / mode / name.replace(" ", "_").replace(",", "")
+                trainer(where, [clock, *LOGGING_VARIANTS[name]()], steps, every).fit(module)
+                times = [(s, ms) for s, ms in clock.step_ms() if s >= WARMUP]
+                logging = [ms for s, ms in times if s % every == 0]
+                quiet = [ms for s, ms in times if s % every]
+                found[name] = {
+                    "logging_ms": _median(logging),
+                    "quiet_ms": _median(quiet),
+                    "extra_ms": _median(logging) - _median(quiet),
+                    "logging_steps": len(logging),
+                    "first_step_ms": clock.step_ms()[0][1],
+                }
+                results.put(f"logging step ({mode})", found)
+
+
+def memory_logger(results: Results, root: Path, module: GPT2) -> None:
+    """Section 6: MemoryLogger on the GPU: its peak of the recorded step against ``torch.cuda.max_memory_allocated``
+    over that step, and the recorded step's time against a quiet one's."""
+    from lightning_hooks import MemoryLogger
+
+    with section(results, "MemoryLogger against the allocator") as found:
+
+        class Peak(pl.Callback):
+            def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step == 2:
+                    sync()
+                    torch.cuda.reset_peak_memory_stats()
+
+            def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+                if trainer.global_step == 3:  # step 2 has been counted
+                    sync()
+                    found["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
+
+        logger, clock = MemoryLogger(at_step=2), Clock(0, 1)
+        trainer(root / "memory_logger", [clock, Peak(), logger], 8, EVERY).fit(module)
+        times = dict(clock.step_ms())
+        found.update(
+            memory_logger_peak_bytes=logger.peak,
+            peak_at=logger.peak_at,
+            ratio=logger.peak / found["allocator_peak_bytes"],
+            recorded_step_ms=times[2],
+            quiet_step_ms=_median([times[s] for s in (4, 5, 6)]),
+            summary=logger.summary,
+        )
 
 
 def profile_logging_step(results: Results, root: Path, module: GPT2, out: Path) -> None:
@@ -368,7 +476,6 @@ def sync_checks(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
         "without callbacks": list,
         "all but NonFiniteGuard": without_guard,
         "NonFiniteGuard": lambda: [NonFiniteGuard()],
-        "LaggedGuard (prototype)": lambda: [LaggedGuard()],
     }
     for mode, module in modules.items():
         with section(results, f"synchronisations ({mode})") as found:
@@ -524,18 +631,19 @@ def table(data: dict[str, Any]) -> str:
         lines.append("")
         lines.append("rounds: " + ", ".join(f"{m} {s[f'step time ({m})'].get('rounds', 0)}" for m in modes))
     for m in ("eager", "compiled"):
-        f = s.get(f"logging step ({m})", {})
-        if "extra_ms" in f:
-            lines.append(
-                f"logging step, all six every 10 ({m}): {f['logging_ms']:.2f} ms against {f['quiet_ms']:.2f} ms quiet "
-                f"(+{f['extra_ms']:.2f} ms)"
-            )
+        for name, f in s.get(f"logging step ({m})", {}).items():
+            if isinstance(f, dict) and "extra_ms" in f:
+                lines.append(
+                    f"logging step every 10, {name} ({m}): {f['logging_ms']:.2f} ms against {f['quiet_ms']:.2f} ms "
+                    f"quiet (+{f['extra_ms']:.2f} ms); first step {f['first_step_ms']:.0f} ms"
+                )
     for key, f in s.items():
         if key.startswith("synchronisations"):
             for name, e in f.items():
                 if isinstance(e, dict):
                     lines.append(f"{key}, {name}: {json.dumps(e)}")
-    for key in ("memory history cost (eager)", "snapshot on out of memory", "MemTracker against the allocator"):
+    keys = ("memory history cost (eager)", "snapshot on out of memory", "MemTracker against the allocator")
+    for key in ("one tensor's reduction", *keys, "MemoryLogger against the allocator"):
         if key in s:
             f = {k: v for k, v in s[key].items() if k not in ("windows", "traceback")}
             lines.append(f"{key}: {json.dumps(f)}")
@@ -550,7 +658,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="at most this many rounds of step-time fits per mode")
     parser.add_argument("--windows", type=int, default=2, help="50-step windows timed per fit")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2 on the CPU, a few steps: the script runs")
-    parser.add_argument("--sections", nargs="*", default=["time", "sync", "memory", "logging", "profile"])
+    parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -570,18 +678,21 @@ def main() -> None:
     modules = {mode: GPT2(size, compiled=mode == "compiled") for mode in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if "micro" in args.sections:
+            statistics_micro(results)
         if "time" in args.sections:
-            # the eager rounds get up to 35 % of the budget, the compiled ones what is left of 70 %
-            for mode, share in (("eager", 0.35), ("compiled", 0.7)):
+            # the eager rounds get up to 30 % of the budget, the compiled ones what is left of 55 %
+            for mode, share in (("eager", 0.3), ("compiled", 0.55)):
                 if mode not in args.modes:
                     continue
                 deadline = start + share * args.budget
                 step_times(results, root, {mode: modules[mode]}, args.rounds, args.windows, deadline)
         cuda = torch.cuda.is_available()
         later: list[tuple[str, Callable[[], None]]] = [
-            ("sync", lambda: sync_checks(results, root, modules) if cuda else None),
-            ("memory", lambda: memory_tools(results, root, modules["eager"], rounds=2) if cuda else None),
             ("logging", lambda: logging_step(results, root, modules)),
+            ("memory_logger", lambda: memory_logger(results, root, modules["eager"]) if cuda else None),
+            ("memory", lambda: memory_tools(results, root, modules["eager"], rounds=2) if cuda else None),
+            ("sync", lambda: sync_checks(results, root, modules) if cuda else None),
             ("profile", lambda: profile_logging_step(results, root, modules["eager"], args.out)),
         ]
         for name, run in later:
