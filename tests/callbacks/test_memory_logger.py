@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -276,6 +277,12 @@ def test_the_tracker_methods_the_guard_wraps_still_exist_in_torch() -> None:
         ({"at_step": 1.5}, TypeError, r"`MemoryLogger` got `at_step=1.5`; `at_step` must be an integer of 0 or more"),
         ({"at_step": True}, TypeError, r"`MemoryLogger` got `at_step=True`"),
         ({"snapshot_on_oom": "yes"}, TypeError, r"`MemoryLogger` got `snapshot_on_oom='yes'`; .* True or False"),
+        ({"oom_history": 1}, TypeError, r"`MemoryLogger` got `oom_history=1`; .* True or False"),
+        (
+            {"oom_history": True, "snapshot_on_oom": False},
+            ValueError,
+            r"`MemoryLogger` got `oom_history=True` with `snapshot_on_oom=False`; .* set `snapshot_on_oom=True` too",
+        ),
         ({"include": "fc1"}, TypeError, r"`MemoryLogger` got `include='fc1'`"),
     ],
 )
@@ -294,9 +301,10 @@ def test_snapshot_on_oom_does_nothing_on_cpu(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("memory_snapshot.pickle"))
 
 
+@pytest.mark.parametrize("history", [False, True])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
-    tmp_path: Path, device: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, device: str, history: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     class Greedy(TinyNet):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -305,11 +313,14 @@ def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
             return super().training_step(batch, batch_idx)
 
     with pytest.raises(torch.OutOfMemoryError):
-        make_trainer(tmp_path, [MemoryLogger()], accelerator=device, max_steps=4).fit(Greedy())
+        make_trainer(tmp_path, [MemoryLogger(oom_history=history)], accelerator=device, max_steps=4).fit(Greedy())
     snapshot = tmp_path / "tb" / "version_0" / "memory_snapshot.pickle"
-    assert snapshot.stat().st_size > 0
+    written = pickle.loads(snapshot.read_bytes())
+    assert written["segments"], "the allocator's segments at the moment of failure"
+    assert bool(written["device_traces"][0]) is history, "a trace of allocations only when asked for"
     out = capsys.readouterr().err
-    assert f"MemoryLogger: the fit ran out of GPU memory; the allocator's history is in {snapshot}" in out
+    what = "history" if history else "state"
+    assert f"MemoryLogger: the fit ran out of GPU memory; the allocator's {what} is in {snapshot}" in out
     assert "The last table recorded (step 1)" in out
     assert not torch.cuda.memory._snapshot()["device_traces"][0], "history recording was stopped"
 
