@@ -9,20 +9,18 @@ sequence 512, batch 8 of random tokens), trained with AdamW under ``precision="b
 as it is (eager) and once with ``torch.compile`` on it inside the LightningModule. Sections, each
 written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measured):
 
-0. **One tensor's reduction** (``micro``): host and total microseconds per call of StatBatch's reduction on
-   tensors of this model's sizes, eager operators against the ``CompiledStatistics`` prototype (the same
-   function under ``torch.compile``), their largest difference, and the compile's own seconds.
-1. **Step time** (``time``). Fits without callbacks, with all six at ``log_every_n_steps=50`` (also with the
-   prototype), with the four observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor) and with
-   NonFiniteGuard alone. Each fit leaves out its first ``WARMUP`` steps (compiles) and times windows of 50
-   steps (each holds one logging step) between two synchronisations; the figure is the median window over
-   every fit of a variant, relative to the baseline's. Fits run in rounds, every variant once per round in
-   an order rotated every round, until the budget's share for the section is spent. Peak memory
-   (``torch.cuda.max_memory_allocated`` from the fit's start) comes from the same fits.
+1. **Step time** (``time``). Fits without callbacks, with all six at ``log_every_n_steps=50``, with the four
+   observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor) and with NonFiniteGuard alone, checking
+   every step and every 10 steps. Each fit leaves out its first ``WARMUP`` steps (compiles; compiled, also the
+   first 50, whose logging step compiles the logging graph) and times windows of 50 steps (each holds one
+   logging step) between two synchronisations; the figure is the median window over every fit of a variant,
+   relative to the baseline's. Fits run in rounds, every variant once per round in an order rotated every
+   round, until the budget's share for the section is spent. Peak memory
+   (``torch.cuda.max_memory_allocated`` from the fit's start) comes from the same fits, and compiled, dynamo's
+   graphs and graph breaks of each fit.
 2. **The logging step's extra time** (``logging``): fits logging every 10 steps, synchronised at every
-   step, without callbacks, for all six, GradStats with ActivationStats (each also with the prototype) and
-   HealthMonitor: the median logging step less the median quiet step (a quiet step's cost shows against the
-   fit without callbacks).
+   step, without callbacks, with all six, GradStats with ActivationStats, and HealthMonitor: the median
+   logging step less the median quiet step (a quiet step's cost shows against the fit without callbacks).
 3. **MemoryLogger** (``memory_logger``): its peak of the recorded step against
    ``torch.cuda.max_memory_allocated`` over the same step, and the recorded step's time.
 4. **Synchronisations** (``sync``): ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
@@ -30,9 +28,10 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
    read a step expected), counting what each warns of; then, where the fit without callbacks synchronised
    nowhere, every callback but NonFiniteGuard under ``"error"``.
 5. **Memory tools** (``memory``): the cost of recording the allocator's history while training
-   (``torch.cuda.memory._record_memory_history``, torch's defaults and MemoryLogger's lean setting) against
-   the same fit without; a snapshot written after a step made to run out of memory; and torch's
-   ``MemTracker`` peak for one step against ``torch.cuda.max_memory_allocated``.
+   (``torch.cuda.memory._record_memory_history``: torch's defaults, ``MemoryLogger(oom_history=True)``'s
+   setting, and the events without stacks) against the same fit without; a snapshot written after a step
+   made to run out of memory; and torch's ``MemTracker`` peak for one step against
+   ``torch.cuda.max_memory_allocated``.
 6. **Where a logging step's host time goes** (``profile``): cProfile over two logging steps of all six,
    eager, into ``profile.txt``.
 
@@ -82,8 +81,6 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
-from lightning_hooks.stats import batch as batch_module  # noqa: E402
-from lightning_hooks.stats import state as state_module  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12, "seq": 512, "batch": 8, "vocab": 50257},
@@ -92,7 +89,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 EVERY = 50
 WARMUP = 10
-SECTIONS = ("micro", "time", "logging", "memory_logger", "memory", "sync", "profile")
+SECTIONS = ("time", "logging", "memory_logger", "memory", "sync", "profile")
 
 
 class GPT2(pl.LightningModule):
@@ -126,76 +123,6 @@ class GPT2(pl.LightningModule):
         return DataLoader(self.tokens, batch_size=self.batch_size, shuffle=True, drop_last=True)  # type: ignore[arg-type]
 
 
-class CompiledStatistics(pl.Callback):
-    """A prototype: for the fit, StatBatch reduces each tensor with ``torch.compile(raw_rows, dynamic=True)``
-    instead of eager operators (one fused kernel or two instead of about eleven), to measure what a logging step's
-    host time would gain. Inductor on CUDA, ``aot_eager`` on the CPU (``--smoke`` only checks the plumbing)."""
-
-    compiled: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if CompiledStatistics.compiled is None:
-            backend = "inductor" if torch.cuda.is_available() else "aot_eager"
-            CompiledStatistics.compiled = torch.compile(state_module.raw_rows, dynamic=True, backend=backend)
-        rows = CompiledStatistics.compiled
-
-        def pieces(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-            n = t.numel()
-            if n <= state_module.CHUNK:
-                return rows(t.reshape(1, -1)), [n]
-            parts = t.reshape(-1).split(state_module.CHUNK)
-            return torch.cat([rows(part.unsqueeze(0)) for part in parts]), [part.numel() for part in parts]
-
-        batch_module.raw_rows, batch_module.raw_pieces = rows, pieces
-
-    def on_fit_end(self, *args: Any) -> None:
-        batch_module.raw_rows, batch_module.raw_pieces = state_module.raw_rows, state_module.raw_pieces
-
-    on_exception = on_fit_end
-
-
-def statistics_micro(results: Results) -> None:
-    """Section 0: host microseconds per call of StatBatch's reduction of one tensor, eager against compiled
-    (``CompiledStatistics``), on tensors of GPT-2 small's sizes; and the compile's own seconds."""
-    with section(results, "one tensor's reduction") as found:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = "inductor" if device == "cuda" else "aot_eager"
-        compiled = CompiledStatistics.compiled = torch.compile(state_module.raw_rows, dynamic=True, backend=backend)
-        cases = {
-            "activation bf16 (8·512·768)": (1, 8 * 512 * 768, torch.bfloat16),
-            "mlp activation bf16 (8·512·3072)": (1, 8 * 512 * 3072, torch.bfloat16),
-            "weight grad fp32 (768·3072)": (1, 768 * 3072, torch.float32),
-            "bias grad fp32 (768)": (1, 768, torch.float32),
-            "slab fp32 (24 × 768)": (24, 768, torch.float32),
-        }
-        compile_s = []
-        for name, (rows, cols, dtype) in cases.items():
-            x = torch.randn(rows, cols, device=device).to(dtype)
-            sync()
-            start = time.perf_counter()
-            expected, got = state_module.raw_rows(x), compiled(x)
-            sync()
-            compile_s.append(time.perf_counter() - start)
-            err = ((got - expected).abs() / expected.abs().clamp_min(1e-6)).max().item()
-            timing: dict[str, float] = {}
-            for label, fn in (("eager", state_module.raw_rows), ("compiled", compiled)):
-                for _ in range(3):
-                    fn(x)
-                sync()
-                start = time.perf_counter()
-                for _ in range(50):
-                    fn(x)
-                host = time.perf_counter() - start
-                sync()
-                total = time.perf_counter() - start
-                timing[f"{label}_host_us"] = 1e6 * host / 50
-                timing[f"{label}_total_us"] = 1e6 * total / 50
-            found[name] = {**timing, "max_relative_difference": err}
-            results.put("one tensor's reduction", found)
-        found["first_calls_s"] = compile_s
-        found["dynamo"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "recompiles")}
-
-
 def all_six() -> list[pl.Callback]:
     return [ShapeLogger(), GradStats(), ActivationStats(), GradClamp(1.0), NonFiniteGuard(), HealthMonitor()]
 
@@ -207,21 +134,15 @@ def observers() -> list[pl.Callback]:
 VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "without callbacks": list,
     "all six @50": all_six,
-    "all six @50, statistics compiled (prototype)": lambda: [CompiledStatistics(), *all_six()],
     "observers @50": observers,
     "NonFiniteGuard": lambda: [NonFiniteGuard()],
+    "NonFiniteGuard every 10": lambda: [NonFiniteGuard(check_every_n_steps=10)],
 }
 
 LOGGING_VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "without callbacks": list,
     "all six": all_six,
-    "all six, statistics compiled (prototype)": lambda: [CompiledStatistics(), *all_six()],
     "GradStats + ActivationStats": lambda: [GradStats(), ActivationStats()],
-    "GradStats + ActivationStats, statistics compiled (prototype)": lambda: [
-        CompiledStatistics(),
-        GradStats(),
-        ActivationStats(),
-    ],
     "HealthMonitor": lambda: [HealthMonitor()],
 }
 
@@ -323,8 +244,11 @@ def step_times(
 ) -> None:
     """Section 1: rounds of fits, every variant once per round in a rotated order, for each mode."""
     names = list(VARIANTS)
-    steps = WARMUP + windows * EVERY
     for mode, module in modules.items():
+        # Compiled, ShapeLogger runs logging step 0 eagerly, so the logging graph is compiled at step 50: a fit's
+        # one-off, left out with the warm-up.
+        warmup = WARMUP + (EVERY if mode == "compiled" else 0)
+        steps = warmup + windows * EVERY
         with section(results, f"step time ({mode})") as found:
             windows_ms: dict[str, list[float]] = {n: [] for n in names}
             peaks: dict[str, int] = {n: 0 for n in names}
@@ -332,7 +256,7 @@ def step_times(
                 if r and time.perf_counter() > deadline:
                     break
                 for name in names[r % len(names) :] + names[: r % len(names)]:
-                    clock = Clock(WARMUP, EVERY)
+                    clock = Clock(warmup, EVERY)
                     where = root / mode / name.replace(" ", "_").replace(",", "") / str(r)
                     torch._dynamo.utils.counters.clear()
                     trainer(where, [clock, *VARIANTS[name]()], steps, EVERY).fit(module)
@@ -359,11 +283,11 @@ def step_times(
 
 def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
     """Section 2: every step timed between synchronisations, logging every 10 steps: the logging step's extra time
-    for each of ``LOGGING_VARIANTS`` (eager; compiled, the first three)."""
+    for each of ``LOGGING_VARIANTS`` (eager; compiled, the first two)."""
     every, steps = 10, 60
     for mode, module in modules.items():
         with section(results, f"logging step ({mode})") as found:
-            names = list(LOGGING_VARIANTS) if mode == "eager" else list(LOGGING_VARIANTS)[:3]
+            names = list(LOGGING_VARIANTS) if mode == "eager" else list(LOGGING_VARIANTS)[:2]
             for name in names:
                 clock = Clock(0, 1)
                 where = root / "logging" / mode / name.replace(" ", "_").replace(",", "")
@@ -520,11 +444,16 @@ def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> Non
     with section(results, "memory history cost (eager)") as found:
         # "on": torch's defaults (every event's C++ and Python stacks); "lean": what MemoryLogger(snapshot_on_oom=True)
         # records from the start of a fit (Python stacks of allocations only).
-        settings = {"on": {}, "lean": {"context": "alloc", "stacks": "python"}}
-        times: dict[str, list[float]] = {"off": [], "on": [], "lean": []}
+        # "no stacks": the events alone (sizes, addresses, times), no stack gathered: what a cheaper default could be.
+        settings: dict[str, dict[str, Any]] = {
+            "on": {},
+            "lean": {"context": "alloc", "stacks": "python"},
+            "no stacks": {"context": None},
+        }
+        times: dict[str, list[float]] = {"off": [], **{k: [] for k in settings}}
         for r in range(rounds):
-            order = ["off", "on", "lean"]
-            for state in order[r % 3 :] + order[: r % 3]:
+            order = list(times)
+            for state in order[r % len(order) :] + order[: r % len(order)]:
                 if state != "off":
                     torch.cuda.memory._record_memory_history(max_entries=100_000, **settings[state])
                 clock = Clock(WARMUP, EVERY)
@@ -537,6 +466,7 @@ def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> Non
         found.update(ms_per_step={k: _median(v) for k, v in times.items()}, windows=times)
         found["ratio"] = found["ms_per_step"]["on"] / found["ms_per_step"]["off"]
         found["ratio_lean"] = found["ms_per_step"]["lean"] / found["ms_per_step"]["off"]
+        found["ratio_no_stacks"] = found["ms_per_step"]["no stacks"] / found["ms_per_step"]["off"]
 
     with section(results, "snapshot on out of memory") as found:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -643,7 +573,7 @@ def table(data: dict[str, Any]) -> str:
                 if isinstance(e, dict):
                     lines.append(f"{key}, {name}: {json.dumps(e)}")
     keys = ("memory history cost (eager)", "snapshot on out of memory", "MemTracker against the allocator")
-    for key in ("one tensor's reduction", *keys, "MemoryLogger against the allocator"):
+    for key in (*keys, "MemoryLogger against the allocator"):
         if key in s:
             f = {k: v for k, v in s[key].items() if k not in ("windows", "traceback")}
             lines.append(f"{key}: {json.dumps(f)}")
@@ -678,8 +608,6 @@ def main() -> None:
     modules = {mode: GPT2(size, compiled=mode == "compiled") for mode in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if "micro" in args.sections:
-            statistics_micro(results)
         if "time" in args.sections:
             # the eager rounds get up to 30 % of the budget, the compiled ones what is left of 55 %
             for mode, share in (("eager", 0.3), ("compiled", 0.55)):
