@@ -7,6 +7,9 @@ One fit with ``MemoryLogger(at_step=K)`` for each ``K`` in the recorded steps an
 each step is timed from its ``on_train_batch_start`` to its ``on_train_batch_end``. The figure is the
 recorded step over the median of the same fit's other steps after warm-up (the steps without hooks),
 and, for the fit without the callback, its median step against the recorded fit's quiet steps.
+
+The floor: one more fit runs step ``K`` under an empty ``TorchDispatchMode`` (each operator handed straight back to
+torch). Any tracker that sees every operator from Python, as torch's ``MemTracker`` does, costs at least that.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,10 +45,32 @@ class StepTimer(pl.Callback):
         self.times[trainer.global_step - 1] = time.perf_counter() - self._start
 
 
-def fit(args: argparse.Namespace, at_step: int | None) -> dict[int, float]:
+class Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class EmptyMode(pl.Callback):
+    """Runs step ``at_step`` under :class:`Passthrough`, from its batch start to its batch end."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step, self.mode = at_step, Passthrough()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step - 1 == self.at_step:
+            self.mode.__exit__(None, None, None)
+
+
+def fit(args: argparse.Namespace, at_step: int | None, floor: bool = False) -> dict[int, float]:
     torch.manual_seed(0)
     timer = StepTimer()
-    callbacks: list[pl.Callback] = [MemoryLogger(at_step=at_step)] if at_step is not None else []
+    callbacks: list[pl.Callback] = []
+    if at_step is not None:
+        callbacks.append(EmptyMode(at_step) if floor else MemoryLogger(at_step=at_step))
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
             default_root_dir=root,
@@ -73,6 +99,10 @@ def main() -> None:
     quiet_plain = statistics.median(t for s, t in plain.items() if s >= 2)
     print(f"EncoderLM(layers={args.layers}), batch {args.batch}x{args.seq_len}, CPU, {torch.get_num_threads()} threads")
     print(f"fit without MemoryLogger: median step {1000 * quiet_plain:.1f} ms")
+    first = args.at[0]
+    times = fit(args, first, floor=True)
+    quiet = statistics.median(t for s, t in times.items() if s >= 2 and s != first)
+    print(f"an empty dispatch mode at step {first}: {1000 * times[first]:.1f} ms = {times[first] / quiet:.2f}x")
     for at in args.at:
         times = fit(args, at)
         quiet = statistics.median(t for s, t in times.items() if s >= 2 and s != at)

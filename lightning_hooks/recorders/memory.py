@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,18 +119,18 @@ class _Guarded(MemTracker):
             self._by_name = {}
             for stats in self.memory_tracking.values():
                 self._by_name.setdefault(stats.mod_fqn, []).append(stats)
-        current = self._curr_mem_snap
+        current = self._curr_mem_snap  # per device, kinds to ints: a shallow copy (torch deep-copies) is a full one
         for name in self._mod_tracker.parents:
             for stats in self._by_name.get(name, ()):
                 if peak_state in stats.snapshots:
                     for device, snap in current.items():
                         if stats.local_peak.get(device, 0) < snap[_TOTAL]:
                             stats.local_peak[device] = snap[_TOTAL]
-                            stats.snapshots[peak_state][-1][device] = deepcopy(snap)
+                            stats.snapshots[peak_state][-1][device] = dict(snap)
         for device, snap in current.items():
             if self._peak_mem.get(device, 0) < snap[_TOTAL]:
                 self._peak_mem[device] = snap[_TOTAL]
-                self._peak_mem_snap[device] = deepcopy(snap)
+                self._peak_mem_snap[device] = dict(snap)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self.failure is not None:
