@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
@@ -61,8 +61,10 @@ class NonFiniteGuard(HookCallback):
     finite; a step that fails is replayed through ``training_step`` with the hooks on, changing no ``.grad``,
     generator, train/eval flag or buffer, and dropping its ``self.log`` calls. ``mode="eager"`` hooks every
     checked step and also sees NaNs that never reach the loss or the gradients. Manual optimization,
-    ``training_step(dataloader_iter)`` and distributed strategies other than DDP use ``mode="eager"`` and say
-    so once. Under DDP the ranks agree on the verdict and the report, which names the rank.
+    ``training_step(dataloader_iter)`` and distributed strategies other than DDP and ``ModelParallelStrategy``
+    use ``mode="eager"`` and say so once. Under several processes the ranks agree on the verdict (under
+    ``ModelParallelStrategy``, where each holds its part of the gradients, in one all-reduce per checked step)
+    and on the report, which names the rank.
 
     ``raise`` logs the report, flushes the logger and raises :class:`NonFiniteError`; ``warn`` logs every
     finding and warns once per layer; ``skip_step`` does what ``warn`` does and sets the optimizer's gradients
@@ -127,6 +129,9 @@ class NonFiniteGuard(HookCallback):
         self._every_module: list[nn.Module] = []
         self._device = torch.device("cpu")
         self._distributed = False
+        self._sharded = False
+        """Under ``ModelParallelStrategy``: each rank holds its own part of the gradients, so the ranks agree on a
+        step's verdict with a collective."""
         self._skipping = False
         self._warned: set[str] = set()
         self._scaler: torch.amp.GradScaler | None = None
@@ -144,6 +149,7 @@ class NonFiniteGuard(HookCallback):
         self._every_module = list(pl_module.modules())
         self._compiled = has_compiled(pl_module, modules)
         self._device, self._distributed = trainer.strategy.root_device, trainer.world_size > 1
+        self._sharded = self._distributed and isinstance(trainer.strategy, ModelParallelStrategy)
         if not self._eager:
             why = _cannot_replay(trainer, pl_module)
             if why:
@@ -238,8 +244,13 @@ class NonFiniteGuard(HookCallback):
         found_inf = list(scaler_state.get("found_inf_per_device", {}).values())
         grads = [] if found_inf else _strided_gradients(optimizer)
         losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
-        # under DDP the all-reduced gradients decide, so that every rank reaches the same verdict
-        if finite_step(grads, [] if self._distributed else [loss for _, loss in losses], found_inf):
+        # Under DDP the all-reduced gradients decide, so that every rank reaches the same verdict; where each rank
+        # holds its own part of them (FSDP2, tensor parallelism), the ranks agree on it in one collective.
+        losses_decide = not self._distributed or self._sharded
+        finite = finite_step(grads, [loss for _, loss in losses] if losses_decide else [], found_inf)
+        if self._sharded:
+            finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
             return
         scaler_skips = bool(found_inf and sum(map(float, found_inf)))
         named = self._gradients(optimizer) if self.check_backward else []
@@ -364,7 +375,8 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         return "a `training_step(dataloader_iter)` takes its own batches, which cannot be replayed"
     strategy = trainer.strategy
     if trainer.world_size > 1 and not (
-        isinstance(strategy, DDPStrategy) and getattr(strategy, "strategy_name", "ddp") not in ("deepspeed", "xla")
+        isinstance(strategy, ModelParallelStrategy)
+        or (isinstance(strategy, DDPStrategy) and getattr(strategy, "strategy_name", "ddp") not in ("deepspeed", "xla"))
     ):
         return (
             f"under `{type(strategy).__name__}` the ranks' gradients are not all-reduced copies, so they would not "
@@ -374,9 +386,9 @@ def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
 
 
 def _strided_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The dense gradients of ``optimizer``'s parameters."""
+    """The dense gradients of ``optimizer``'s parameters (this process's part of a ``DTensor``'s)."""
     return [
-        grad
+        local(grad)
         for group in optimizer.param_groups
         for p in group["params"]
         if (grad := p.grad) is not None and grad.layout == torch.strided

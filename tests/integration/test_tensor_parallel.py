@@ -110,14 +110,16 @@ def test_the_backward_clamp_refuses_tensor_parallelism_on_every_rank(tmp_path: P
 def test_the_guard_names_the_rank_and_layer_where_values_went_wrong_and_memory_is_recorded_per_rank(
     tmp_path: Path,
 ) -> None:
-    ranks = run("tp2", tmp_path, "--guard")
+    # dp2-tp2: FSDP2 gathers rank 1's poisoned shard of `up` into ranks 1 and 3 (the same tensor-parallel place).
+    ranks = run("dp2-tp2", tmp_path, "--guard")
     for rank in ranks:
         assert "error" not in rank, rank
         # Rank 0's first NaN is in `down`'s output (the shards summed), but rank 1's `up` made it, earlier.
         assert rank["finding"][0].startswith("forward: `blocks.0.up` (Linear) made non-finite values"), rank
         assert rank["finding"][-1] == "step 1, batch 1, rank 1", rank
+        assert rank["replayed"] is True, "the failed step was replayed: no hooks on the steps before it"
         assert rank["memory"]["rows"] > 10, rank
-        assert "largest over 2 ranks" in rank["memory"]["summary"], rank
+        assert "largest over 4 ranks" in rank["memory"]["summary"], rank
 
 
 def test_health_monitor_judges_units_split_between_ranks_as_one_process_does(tmp_path: Path) -> None:

@@ -230,6 +230,7 @@ def main() -> None:
         trainer.fit(model)
     except NonFiniteError as error:
         result["finding"] = error.finding.lines(1) if error.finding is not None else None
+        result["replayed"] = error.finding.replayed if error.finding is not None else None
         result["memory"] = {"rows": len(memory.rows), "peak": memory.peak, "summary": memory.summary}
     except Exception as error:  # every outcome is reported, and judged by the test
         result["error"] = f"{type(error).__name__}: {error}"
