@@ -20,6 +20,7 @@ from lightning_hooks.recorders.clamp import GradClamper
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["GradClamp"]
 
@@ -87,16 +88,24 @@ class GradClamp(HookCallback):
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and self.mode == "backward":
             refuse_sharded(trainer.strategy, f"`{type(self).__name__}(mode='backward')`", "use `mode='accumulated'`")
-            if (mesh := tensor_parallel_mesh(trainer)) is not None:
-                raise MisconfigurationException(
-                    f"`{type(self).__name__}(mode='backward')` does not support tensor parallelism yet "
-                    f"(`tensor_parallel_size={mesh.size()}`): a parameter's gradient may still be a partial sum over "
-                    f"the tensor-parallel ranks while backward runs, and clamping a part is not clamping the sum. "
-                    f"Use `mode='accumulated'`, which clamps the finished gradients before the optimizer step."
-                )
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
+        if self.mode == "backward" and (mesh := tensor_parallel_mesh(trainer)) is not None:
+            # Checked once `configure_model` has parallelised the model, to name a parameter and its placement.
+            replicated = [name for name, p in trainable_parameters(modules) if _replicated_over(p, mesh)]
+            example = (
+                f"`{replicated[0]}` is `Replicate()` over it: while backward runs, its gradient may be a `Partial` "
+                f"sum of the ranks' contributions"
+                if replicated
+                else "a parameter's gradient may still be a partial sum over its ranks"
+            )
+            raise MisconfigurationException(
+                f"`{type(self).__name__}(mode='backward')` cannot clamp under tensor parallelism "
+                f"(`tensor_parallel_size={mesh.size()}`): {example}, and clamping each rank's part is not clamping "
+                f"the gradient (it would change with the number of ranks). Use `mode='accumulated'`, which clamps "
+                f"the finished gradients before the optimizer step."
+            )
         self._clamper = GradClamper(self.value, loss_scaler(trainer))
         self._params = [param for _, param in trainable_parameters(modules)]
         self._sharded = any(is_sharded(param) for param in self._params)
@@ -165,3 +174,12 @@ class GradClamp(HookCallback):
 def _summed(strategy: Strategy, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` summed over every process, on the strategy's device (one all-reduce)."""
     return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum")
+
+
+def _replicated_over(param: torch.Tensor, mesh: DeviceMesh) -> bool:
+    """Whether ``param`` is a ``DTensor`` replicated over the tensor-parallel ``mesh`` (one dimension of its own)."""
+    if not is_sharded(param) or not mesh.mesh_dim_names:
+        return False
+    names = param.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    dim = mesh.mesh_dim_names[0]
+    return dim in names and param.placements[names.index(dim)].is_replicate()  # type: ignore[attr-defined]

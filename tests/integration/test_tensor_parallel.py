@@ -100,8 +100,9 @@ def test_the_backward_clamp_refuses_tensor_parallelism_on_every_rank(tmp_path: P
     ranks = run("tp2", tmp_path, "--backward-clamp")
     for rank in ranks:
         assert re.fullmatch(
-            r"MisconfigurationException: `GradClamp\(mode='backward'\)` does not support tensor parallelism yet "
-            r"\(`tensor_parallel_size=2`\): a parameter's gradient may still be a partial sum .* Use "
+            r"MisconfigurationException: `GradClamp\(mode='backward'\)` cannot clamp under tensor parallelism "
+            r"\(`tensor_parallel_size=2`\): `blocks\.0\.attention\.o\.bias` is `Replicate\(\)` over it: while "
+            r"backward runs, its gradient may be a `Partial` sum of the ranks' contributions, .* Use "
             r"`mode='accumulated'`, which clamps the finished gradients before the optimizer step\.",
             rank["error"],
         ), rank["error"]
