@@ -6,12 +6,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import torch
 from torch import nn
 
 from lightning_hooks.core.autograd import in_backward
 from lightning_hooks.core.handles import HookHandles, made_once
-from lightning_hooks.core.nested import Signature, call_inputs, format_signature, signature
+from lightning_hooks.core.nested import (
+    Leaf,
+    Signature,
+    call_inputs,
+    describe,
+    format_signature,
+    named_tensors,
+    signature,
+)
 from lightning_hooks.core.select import ModuleSelector, label, type_label
+from lightning_hooks.core.shards import is_sharded, local
 from lightning_hooks.core.tables import markdown_table
 
 __all__ = ["ShapeRecorder", "ShapeRow", "format_table", "parameter_count", "shape_table", "trace_shapes"]
@@ -37,11 +47,24 @@ class ShapeRecorder:
 
     active: bool = False
     rows: list[ShapeRow] = field(default_factory=list)
+    tensor_parallel: bool = False
+    """Show a plain tensor that is the local part of a ``DTensor`` met in the same step (the activation between a
+    column- and a row-wise layer) as that ``DTensor`` is shown: its whole shape, and the local one."""
     _open: dict[str, list[ShapeRow]] = field(default_factory=dict)
     _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
+    _parts: _LocalParts | None = None
 
     def clear(self) -> None:
         self.rows, self._open = [], {}
+        self._parts = _LocalParts() if self.tensor_parallel else None
+
+    def _record(self, row: ShapeRow, outputs: bool, value: Any) -> None:
+        if outputs:
+            row.outputs = signature(value)
+        else:
+            row.inputs = signature(value)
+        if self._parts is not None:
+            self._parts.note(row, outputs, value)
 
     def attach(
         self,
@@ -53,6 +76,10 @@ class ShapeRecorder:
         """Hook ``modules`` into ``handles``; ``params`` (qualified name to parameter count) saves recounting them.
         With ``prepend`` the output hooks go before the modules' own (under tensor parallelism: a parallelised
         module's output is seen as the ``DTensor`` it made, before its style turns it into a local tensor)."""
+
+        self.tensor_parallel = prepend
+        if self._parts is None and prepend:
+            self._parts = _LocalParts()
 
         def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
             count = params[name] if params is not None else parameter_count(module)
@@ -80,7 +107,8 @@ class _ShapePreHook:
         recorder = self.recorder
         if not recorder.active or in_backward():  # activation checkpointing re-running forward
             return
-        row = ShapeRow(self.name, self.type_name, self.params, signature(call_inputs(args, kwargs)))
+        row = ShapeRow(self.name, self.type_name, self.params, ())
+        recorder._record(row, False, call_inputs(args, kwargs))
         recorder.rows.append(row)
         recorder._open.setdefault(self.name, []).append(row)
 
@@ -94,7 +122,47 @@ class _ShapeHook:
         if not recorder.active or in_backward():
             return
         if pending := recorder._open.get(self.name):
-            pending.pop().outputs = signature(output)
+            recorder._record(pending.pop(), True, output)
+
+
+class _LocalParts:
+    """Plain tensors of a step that are the local part of a ``DTensor`` met in the same step, before or after
+    them: matched by where their values start and their shape, and shown as the ``DTensor`` is. Holds no tensor."""
+
+    def __init__(self) -> None:
+        self.shown: dict[tuple[int, tuple[int, ...]], Leaf] = {}
+        self.waiting: dict[tuple[int, tuple[int, ...]], list[tuple[ShapeRow, bool, str]]] = {}
+
+    def note(self, row: ShapeRow, outputs: bool, value: Any) -> None:
+        for path, t in named_tensors(value):
+            sharded = is_sharded(t)
+            if (key := _place(local(t) if sharded else t)) is None:
+                continue
+            if sharded:
+                self.shown[key] = describe(t)
+                for waiting in self.waiting.pop(key, ()):
+                    _replace_leaf(*waiting, self.shown[key])
+            elif key in self.shown:
+                _replace_leaf(row, outputs, path, self.shown[key])
+            else:
+                self.waiting.setdefault(key, []).append((row, outputs, path))
+
+
+def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...]] | None:
+    """Where a tensor's values start, and its shape; ``None`` for one without values in memory (empty, fake)."""
+    try:
+        return (t.data_ptr(), tuple(t.shape)) if t.numel() else None
+    except RuntimeError:
+        return None
+
+
+def _replace_leaf(row: ShapeRow, outputs: bool, path: str, leaf: Leaf) -> None:
+    old = row.outputs if outputs else row.inputs
+    new = tuple((p, leaf if p == path else v) for p, v in old)
+    if outputs:
+        row.outputs = new
+    else:
+        row.inputs = new
 
 
 def trace_shapes(model: nn.Module, *args: Any, selector: ModuleSelector | None = None, **kwargs: Any) -> list[ShapeRow]:

@@ -83,6 +83,9 @@ def test_every_logged_value_equals_one_process(mode: str, tmp_path: Path, refere
         table = texts(tmp_path / "tb", "shapes/train")[0]
         up = next(line for line in table.splitlines() if line.startswith("| blocks.0.up "))
         assert "| [4, 6, 16] | [4, 6, 32] (local [4, 6, 16]) | 544 |" in up, up
+        # Between the column- and the row-wise layer the activation is a plain tensor, `up`'s local part: shown whole.
+        act = next(line for line in table.splitlines() if line.startswith("| blocks.0.act "))
+        assert "| [4, 6, 32] (local [4, 6, 16]) | [4, 6, 32] (local [4, 6, 16]) | 0 |" in act, act
     # Every element clamped counted once: by hand on the union's gradients at step 0.
     model = TransformerNet(batch_size=BATCH * (processes // tensor_parallel))
     model.load_state_dict(torch.load(tmp_path / "initial.pt"))
