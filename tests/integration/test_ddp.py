@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hooks import ActivationStats, GradStats, HealthMonitor
-from tests.support.helpers import TinyNet, events, make_trainer, scalars
+from tests.support.helpers import TinyNet, events, make_trainer, run_script, scalars
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).parents[1] / "support" / "ddp_run.py"
@@ -21,17 +18,7 @@ OUT_GRAD_TAGS = ("out_grad_norm/fc1", "out_grad_norm/head", "out_grad_abs_max/fc
 
 
 def run(strategy: str, out: Path, *extra: str) -> str:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=Path(__file__).parents[2],
-    )
+    done = run_script(SCRIPT, "--strategy", strategy, "--out", str(out), *extra, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

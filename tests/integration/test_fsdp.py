@@ -7,9 +7,7 @@ ranks' batches: what a user expects sharding to leave unchanged.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 from lightning_hooks import ActivationStats, GradStats
 from tests.integration.test_ddp import expected_weights
 from tests.support.fsdp_run import CLAMP, STEPS
-from tests.support.helpers import TinyNet, events, make_trainer, scalars
+from tests.support.helpers import TinyNet, events, make_trainer, run_script, scalars
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).parents[1] / "support" / "fsdp_run.py"
@@ -27,17 +25,7 @@ PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "he
 
 
 def run(mode: str, out: Path, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--mode", mode, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,  # a hung rank fails the test instead of hanging it
-        env=env,
-        cwd=Path(__file__).parents[2],
-    )
+    done = run_script(SCRIPT, "--mode", mode, "--out", str(out), timeout=timeout)
     ranks = sorted(out.glob("rank*.json"))
     return done, [json.loads(p.read_text()) for p in ranks]
 

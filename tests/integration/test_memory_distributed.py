@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import events, scalars
+from tests.support.helpers import events, run_script, scalars
 
 pytestmark = pytest.mark.ddp
 SCRIPT = Path(__file__).parents[1] / "support" / "memory_run.py"
@@ -18,17 +15,7 @@ SCRIPT = Path(__file__).parents[1] / "support" / "memory_run.py"
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_rank_records_and_the_summary_names_the_largest_peak(strategy: str, tmp_path: Path) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=Path(__file__).parents[2],
-    )
+    done = run_script(SCRIPT, "--strategy", strategy, "--out", str(tmp_path), timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank in ranks:

@@ -9,17 +9,14 @@ the sequence cannot be told from a replica by its gradient.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_hooks import HealthMonitor
-from tests.support.helpers import events, make_trainer, scalars, texts
+from tests.support.helpers import events, make_trainer, run_script, scalars, texts
 from tests.support.tp_run import BATCH, CLAMP, HEALTH_STEPS, MODES, STEPS, TransformerNet, callbacks
 
 pytestmark = pytest.mark.ddp
@@ -27,17 +24,7 @@ SCRIPT = Path(__file__).parents[1] / "support" / "tp_run.py"
 
 
 def run(mode: str, out: Path, *extra: str) -> list[dict]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--mode", mode, "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=Path(__file__).parents[2],
-    )
+    done = run_script(SCRIPT, "--mode", mode, "--out", str(out), *extra, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert len(ranks) == MODES[mode][0]

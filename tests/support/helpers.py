@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +139,20 @@ def hook_state(model: nn.Module) -> dict[str, tuple[int, ...]]:
             len(getattr(param, "_post_accumulate_grad_hooks", None) or {}),
         )
     return state
+
+
+def run_script(script: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with this interpreter from the repository's root, as a fresh launch: without the launcher's
+    variables this process may hold (``LOCAL_RANK``, ``MASTER_PORT``...), so that the script starts its own ranks.
+    ``timeout`` fails a hung rank's test instead of hanging it."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
