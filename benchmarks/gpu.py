@@ -28,7 +28,7 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
    read a step expected), counting what each warns of; then, where the fit without callbacks synchronised
    nowhere, every callback but NonFiniteGuard under ``"error"``.
 5. **Memory tools** (``memory``): the cost of recording the allocator's history while training
-   (``torch.cuda.memory._record_memory_history``: torch's defaults, ``MemoryLogger(oom_history=True)``'s
+   (``torch.cuda.memory._record_memory_history``: torch's defaults, ``MemoryLogger(snapshot_on_oom=True)``'s
    setting, and the events without stacks) against the same fit without; a snapshot written after a step
    made to run out of memory; and torch's ``MemTracker`` peak for one step against
    ``torch.cuda.max_memory_allocated``.

@@ -52,12 +52,10 @@ class MemoryLogger(HookCallback):
         max_depth: Show modules at most this many levels below the LightningModule.
         collapse_repeats: Show a run of three or more consecutive sibling blocks with the same parameters,
             activations and optimizer state once, as the shape table does: ``layers.0–23  ×24``.
-        snapshot_on_oom: On CUDA, if the fit dies of ``torch.OutOfMemoryError``, write the allocator's snapshot
-            to ``memory_snapshot.pickle`` next to the logs (open it at https://pytorch.org/memory_viz) and print
-            the last table. Nothing is recorded before that moment. Does nothing on CPU.
-        oom_history: With ``snapshot_on_oom``, record the allocator's history (the last 100,000 allocations and
-            frees, each allocation with its Python stack) from the start of fit, so that the snapshot shows who
-            allocated what. It slows every step: see the documentation's Performance page.
+        snapshot_on_oom: On CUDA, record the allocator's history from the start of fit and, if the fit dies of
+            ``torch.OutOfMemoryError``, write it to ``memory_snapshot.pickle`` next to the logs (open it at
+            https://pytorch.org/memory_viz). Off by default: the history slows every step (see the
+            documentation's Performance page); turn it on for the run you expect to fail. Does nothing on CPU.
 
     Example::
 
@@ -74,33 +72,26 @@ class MemoryLogger(HookCallback):
         types: list[str] | None = None,
         max_depth: int | None = None,
         collapse_repeats: bool = True,
-        snapshot_on_oom: bool = True,
-        oom_history: bool = False,
+        snapshot_on_oom: bool = False,
     ) -> None:
         super().__init__(log_every_n_steps=None, include=include, exclude=exclude, types=types, max_depth=max_depth)
         self.at_step = _validate.non_negative_int("MemoryLogger", "at_step", at_step)
         self.collapse_repeats = _validate.boolean("MemoryLogger", "collapse_repeats", collapse_repeats)
         self.snapshot_on_oom = _validate.boolean("MemoryLogger", "snapshot_on_oom", snapshot_on_oom)
-        self.oom_history = _validate.boolean("MemoryLogger", "oom_history", oom_history)
-        if oom_history and not snapshot_on_oom:
-            raise ValueError(
-                "`MemoryLogger` got `oom_history=True` with `snapshot_on_oom=False`; the history is only written into "
-                "the out-of-memory snapshot: set `snapshot_on_oom=True` too, or leave `oom_history` off"
-            )
         self.rows: list[MemoryRow] = []
         self.peak = 0
         self.peak_at = ""
         self.summary = ""
         self._recorder: MemoryRecorder | None = None
-        self._cuda = False
         self._history = False
         self._warned = False
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""
-        self._cuda = trainer.strategy.root_device.type == "cuda"
-        if self.oom_history and self._cuda:
+        if self.snapshot_on_oom and trainer.strategy.root_device.type == "cuda":
+            # Python stacks of allocations only, though on an H200 that cost as much as torch's default (C++ and
+            # Python stacks of every event): 1.40x a GPT-2-small step (docs/performance.md), hence off by default.
             torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=HISTORY_ENTRIES)
             self._history = True
 
@@ -187,12 +178,12 @@ class MemoryLogger(HookCallback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self.snapshot_on_oom and self._cuda and isinstance(exception, torch.OutOfMemoryError):
+        if self._history and isinstance(exception, torch.OutOfMemoryError):
             self._write_snapshot(trainer)
         super().on_exception(trainer, pl_module, exception)
 
     def _write_snapshot(self, trainer: pl.Trainer) -> None:
-        # Any rank can run out: each writes its own snapshot, and says so itself (rank zero may never hear of it).
+        # Any rank can run out: each writes its own history, and says so itself (rank zero may never hear of it).
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         rank = trainer.global_rank
@@ -201,16 +192,9 @@ class MemoryLogger(HookCallback):
         last = f"\nThe last table recorded (step {self.at_step}):\n{self.summary}\n" if self.rows else ""
         table = format_memory_table(self.rows, self.collapse_repeats) if self.rows else ""
         where = f"rank {rank}" if trainer.world_size > 1 else "the fit"
-        viewer = "drag it onto https://pytorch.org/memory_viz to see"
-        if self._history:
-            what = f"history is in {path} ({viewer} every allocation and who made it)"
-        else:
-            what = (
-                f"state is in {path} ({viewer} its segments and blocks; `MemoryLogger(oom_history=True)` also "
-                "records who allocated what, at a cost)"
-            )
         print(
-            f"MemoryLogger: {where} ran out of GPU memory; the allocator's {what}.{last}{table}",
+            f"MemoryLogger: {where} ran out of GPU memory; the allocator's history is in {path} (drag it onto "
+            f"https://pytorch.org/memory_viz to see every allocation and who made it).{last}{table}",
             file=sys.stderr,
             flush=True,
         )
