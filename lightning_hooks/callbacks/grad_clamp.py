@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, loss_scaler, refuse_sharded, tensor_parallel_mesh
@@ -20,7 +20,6 @@ from lightning_hooks.recorders.clamp import GradClamper
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["GradClamp"]
 
@@ -91,25 +90,12 @@ class GradClamp(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
-        if self.mode == "backward" and (mesh := tensor_parallel_mesh(trainer)) is not None:
-            # Checked once `configure_model` has parallelised the model, to name a parameter and its placement.
-            replicated = [name for name, p in trainable_parameters(modules) if _replicated_over(p, mesh)]
-            example = (
-                f"`{replicated[0]}` is `Replicate()` over it: while backward runs, its gradient may be a `Partial` "
-                f"sum of the ranks' contributions"
-                if replicated
-                else "a parameter's gradient may still be a partial sum over its ranks"
-            )
-            raise MisconfigurationException(
-                f"`{type(self).__name__}(mode='backward')` cannot clamp under tensor parallelism "
-                f"(`tensor_parallel_size={mesh.size()}`): {example}, and clamping each rank's part is not clamping "
-                f"the gradient (it would change with the number of ranks). Use `mode='accumulated'`, which clamps "
-                f"the finished gradients before the optimizer step."
-            )
         self._clamper = GradClamper(self.value, loss_scaler(trainer))
+        if (mesh := tensor_parallel_mesh(trainer)) is not None:
+            self._clamper.counts_plain = mesh.get_local_rank() == 0
         self._params = [param for _, param in trainable_parameters(modules)]
         self._sharded = any(is_sharded(param) for param in self._params)
-        if self.mode == "backward" and self._sharded:
+        if self.mode == "backward" and any(isinstance(m, FSDPModule) for m in pl_module.modules()):
             self._clamper.attach_unsharded(modules, self._params, self._handles, self._step_handles)
         elif self.mode == "backward":
             self._per_backward = (
@@ -174,12 +160,3 @@ class GradClamp(HookCallback):
 def _summed(strategy: Strategy, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` summed over every process, on the strategy's device (one all-reduce)."""
     return strategy.reduce(tensor.to(strategy.root_device), reduce_op="sum")
-
-
-def _replicated_over(param: torch.Tensor, mesh: DeviceMesh) -> bool:
-    """Whether ``param`` is a ``DTensor`` replicated over the tensor-parallel ``mesh`` (one dimension of its own)."""
-    if not is_sharded(param) or not mesh.mesh_dim_names:
-        return False
-    names = param.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
-    dim = mesh.mesh_dim_names[0]
-    return dim in names and param.placements[names.index(dim)].is_replicate()  # type: ignore[attr-defined]

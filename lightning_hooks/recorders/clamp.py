@@ -90,6 +90,9 @@ class GradClamper:
         self.count = ClampCount()
         self.unsharded: set[int] = set()
         """Ids of the unsharded parameters hooked in this step (FSDP2, see :meth:`attach_unsharded`)."""
+        self.counts_plain = True
+        """Whether this process counts the clamped elements of plain (not ``DTensor``) gradients: under tensor
+        parallelism every rank of a group holds the same one, and only the group's first counts it."""
 
     def attach(self, params: Sequence[nn.Parameter], handles: HookHandles) -> None:
         for param in params:
@@ -122,7 +125,7 @@ class GradClamper:
         for _, module in modules:
             names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
             if names:
-                handles.add(module.register_forward_pre_hook(_ClampUnsharded(self, names, step_handles)))
+                handles.add(module.register_forward_pre_hook(_ClampUnsharded(self, names, wanted, step_handles)))
 
     def clamp_accumulated(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
         """Clamp in place the ``.grad`` of those ``params`` that ``optimizer`` will use (unscaled by now); a sharded one
@@ -156,16 +159,18 @@ class GradClamper:
 class _ClampUnsharded:
     """Forward pre-hook under FSDP2: clamp the gradients of the module's unsharded parameters."""
 
-    def __init__(self, clamper: GradClamper, names: list[str], handles: HookHandles) -> None:
-        self.clamper, self.names, self.handles = clamper, names, handles
+    def __init__(self, clamper: GradClamper, names: list[str], sharded: set[int], handles: HookHandles) -> None:
+        self.clamper, self.names, self.sharded, self.handles = clamper, names, sharded, handles
 
     def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if in_backward():  # activation checkpointing re-running forward: hooked already
             return
         hooked = self.clamper.unsharded
         for name in self.names:
+            # While the module runs, FSDP has put its unsharded parameter in the sharded one's place (a DTensor
+            # still, of the tensor-parallel mesh, under tensor parallelism).
             param = getattr(module, name)
-            if not is_sharded(param) and param.requires_grad and id(param) not in hooked:
+            if id(param) not in self.sharded and param.requires_grad and id(param) not in hooked:
                 hooked.add(id(param))
                 self.handles.add(param.register_hook(_ClampHook(self.clamper)))
 
@@ -187,4 +192,23 @@ class _ClampHook:
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         clamper = self.clamper
         scale = None if clamper.scaler is None else loss_scale(clamper.scaler)
-        return clamp_true_gradient(grad, clamper.value, scale, clamper.count)
+        if is_sharded(grad):  # tensor parallelism
+            return _clamp_parts(grad, clamper.value, scale, clamper.count)
+        return clamp_true_gradient(grad, clamper.value, scale, clamper.count if clamper.counts_plain else None)
+
+
+def _clamp_parts(grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount) -> torch.Tensor:
+    """A ``DTensor`` gradient clamped in its parts, each element counted once over the processes of its mesh. A part
+    still to be summed over some ranks (``Partial``: a replicated norm's weight under sequence parallelism) is summed
+    first, a collective that every rank's backward reaches at the same point; clamping a part of a sum would not be
+    clamping the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh, placements = grad.device_mesh, grad.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        placements = [Replicate() if p.is_partial() else p for p in placements]
+        grad = grad.redistribute(mesh, placements)  # type: ignore[attr-defined]
+    if count.active:  # each process's gradient is its own batch's: copies off the mesh count (copies_off_mesh=False)
+        clamp_true_gradient(counted_part(grad, copies_off_mesh=False), value, scale, count)
+    clamped = clamp_true_gradient(local(grad), value, scale)
+    return DTensor.from_local(clamped, mesh, placements, shape=grad.shape, stride=grad.stride())

@@ -236,6 +236,10 @@ def main() -> None:
         result["error"] = f"{type(error).__name__}: {error}"
         traceback.print_exc()
     result["placements"] = {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()}
+    if "error" not in result:  # the trained weights, whole (a collective per sharded tensor: every rank takes part)
+        final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        if trainer.global_rank == 0:
+            torch.save(final, out / "final.pt")
     result["findings"] = [(f.check, list(f.layers), f.step, f.value) for f in monitor.findings]
     if trainer.global_rank == 0:
         torch.save(initial, out / "initial.pt")
