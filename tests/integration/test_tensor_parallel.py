@@ -66,6 +66,10 @@ def test_every_logged_value_equals_one_process(mode: str, tmp_path: Path, refere
             assert got[step] == pytest.approx(expected[step], rel=1e-4, abs=1e-7), (tag, step)
             checked += 1
     assert checked > 300
+    if mode == "hsdp":  # NonFiniteGuard, MemoryLogger and HealthMonitor rode along: every rank ran and they agree
+        assert all(rank["memory"]["rows"] > 10 for rank in ranks), ranks
+        assert all("largest over 4 ranks" in rank["memory"]["summary"] for rank in ranks), ranks
+        assert all(rank["findings"] == ranks[0]["findings"] for rank in ranks), ranks
     if mode == "tp2":  # the shape table: a parallelised layer's whole output, and this rank's part of it
         table = texts(tmp_path / "tb", "shapes/train")[0]
         up = next(line for line in table.splitlines() if line.startswith("| blocks.0.up "))

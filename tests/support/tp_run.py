@@ -217,6 +217,8 @@ def main() -> None:
         else [
             *callbacks(),
             GradClamp(CLAMP, mode="backward" if args.backward_clamp else "accumulated", log_every_n_steps=1),
+            # Under HSDP the other callbacks ride along: they must run, and the ranks agree (judged by the test).
+            *([guard, memory, monitor] if args.mode == "hsdp" else []),
         ],
         use_distributed_sampler=False,
         enable_progress_bar=False,
@@ -241,6 +243,7 @@ def main() -> None:
         if trainer.global_rank == 0:
             torch.save(final, out / "final.pt")
     result["findings"] = [(f.check, list(f.layers), f.step, f.value) for f in monitor.findings]
+    result.setdefault("memory", {"rows": len(memory.rows), "peak": memory.peak, "summary": memory.summary})
     if trainer.global_rank == 0:
         torch.save(initial, out / "initial.pt")
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
