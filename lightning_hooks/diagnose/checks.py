@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import re
 import statistics
 from collections.abc import Sequence
@@ -96,7 +97,7 @@ def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
     for name, counts in snap.units.items():
         act = snap.activations.get(name)
         if counts and act is not None and act.numel / len(counts) >= MIN_SAMPLES:
-            found[name] = [c == 0 for c in counts]
+            found[name] = list(map(operator.not_, counts))  # `c == 0` (NaN is not), at C speed: 100 k units a step
     return found
 
 

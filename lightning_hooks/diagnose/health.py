@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import reduce
 from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
@@ -220,7 +222,7 @@ class HealthTracker:
                 k for k in range(self.limits.patience, len(recent) + 1) if sum(r[2] for r in recent[:k]) >= DEAD_SAMPLES
             )
             if steps := 1 if all(flags) else next(enough, 0):
-                window[name] = [all(column) for column in zip(*(f for _, f, _ in recent[:steps]), strict=True)]
+                window[name] = reduce(_both, (f for _, f, _ in recent[:steps]))  # silent in every one of them
                 starts[label(name)] = recent[steps - 1][0]
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
@@ -399,3 +401,8 @@ def _per_layer(norms: Sequence[float], layers: Sequence[str]) -> dict[str, float
     for value, name in zip(norms, layers, strict=False):
         squares[name] = squares.get(name, 0.0) + value * value
     return {name: math.sqrt(v) for name, v in squares.items()}
+
+
+def _both(a: list[bool], b: list[bool]) -> list[bool]:
+    """Element by element, ``a and b`` (at C speed: a model has some 100 k units)."""
+    return list(map(operator.and_, a, b))
