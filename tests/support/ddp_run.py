@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, ShapeLogger  # noqa: E402
-from tests.support.helpers import TinyNet  # noqa: E402
+from tests.support.helpers import TinyNet, end_script  # noqa: E402
 
 
 class UnevenNet(TinyNet):
@@ -113,3 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_script()

@@ -38,7 +38,7 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
-from tests.support.helpers import TinyNet, hook_state  # noqa: E402
+from tests.support.helpers import TinyNet, end_script, hook_state  # noqa: E402
 
 CLAMP = 0.05
 STEPS = 3
@@ -182,6 +182,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave no gloo process group for interpreter shutdown to tear down: its threads can abort the process there.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_script()

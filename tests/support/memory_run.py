@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_hooks import MemoryLogger  # noqa: E402
-from tests.support.helpers import TinyNet, hook_state  # noqa: E402
+from tests.support.helpers import TinyNet, end_script, hook_state  # noqa: E402
 
 
 class Uneven(TinyNet):
@@ -88,6 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave no gloo process group for interpreter shutdown to tear down: its threads can abort the process there.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_script()

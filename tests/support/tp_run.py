@@ -40,6 +40,7 @@ from lightning_hooks import (  # noqa: E402
     NonFiniteGuard,
     ShapeLogger,
 )
+from tests.support.helpers import end_script  # noqa: E402
 
 STEPS = 3
 HEALTH_STEPS = 30
@@ -251,6 +252,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Leave no gloo process group for interpreter shutdown to tear down: its threads can abort the process there.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_script()
