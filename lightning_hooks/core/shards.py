@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-__all__ = ["counted_part", "is_sharded", "local", "replica_part"]
+__all__ = ["counted_part", "is_sharded", "local", "replica_part", "summed"]
 
 
 def is_sharded(t: object) -> bool:
@@ -22,6 +22,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """The ``DTensor`` ``t`` with its values still to be summed (``Partial``) summed, ``Replicate`` on those mesh
+    dimensions: a collective every process of the mesh must run (``t`` itself when nothing is pending)."""
+    placements = t.placements  # type: ignore[attr-defined]
+    if not any(p.is_partial() for p in placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in placements])  # type: ignore[attr-defined]
+
+
 def counted_part(t: torch.Tensor, copies_off_mesh: bool = True) -> torch.Tensor:
     """What this process adds to a statistic of ``t`` pooled over every process (never gathered): its local shard,
     or an empty tensor where that shard is a copy counted elsewhere (``t`` itself when not sharded).
@@ -33,12 +44,8 @@ def counted_part(t: torch.Tensor, copies_off_mesh: bool = True) -> torch.Tensor:
     still to be summed (``Partial``) are summed first, a collective every process of the mesh must run."""
     if not is_sharded(t):
         return t
+    t = summed(t)
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
-    if any(p.is_partial() for p in placements):
-        from torch.distributed.tensor import Replicate
-
-        t = t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in placements])  # type: ignore[attr-defined]
-        placements = t.placements  # type: ignore[attr-defined]
     coordinate = mesh.get_coordinate() or []
     copy = any(p.is_replicate() and c != 0 for p, c in zip(placements, coordinate, strict=False))
     if copies_off_mesh and mesh.size() < torch.distributed.get_world_size():

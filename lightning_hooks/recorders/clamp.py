@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
-from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
+from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part, summed
 from lightning_hooks.stats.state import counted
 
 __all__ = ["GradClamper"]
@@ -202,12 +202,10 @@ def _clamp_parts(grad: torch.Tensor, value: float, scale: torch.Tensor | None, c
     still to be summed over some ranks (``Partial``: a replicated norm's weight under sequence parallelism) is summed
     first, a collective that every rank's backward reaches at the same point; clamping a part of a sum would not be
     clamping the gradient."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
+    grad = summed(grad)
     mesh, placements = grad.device_mesh, grad.placements  # type: ignore[attr-defined]
-    if any(p.is_partial() for p in placements):
-        placements = [Replicate() if p.is_partial() else p for p in placements]
-        grad = grad.redistribute(mesh, placements)  # type: ignore[attr-defined]
     if count.active:  # each process's gradient is its own batch's: copies off the mesh count (copies_off_mesh=False)
         clamp_true_gradient(counted_part(grad, copies_off_mesh=False), value, scale, count)
     clamped = clamp_true_gradient(local(grad), value, scale)

@@ -78,8 +78,7 @@ class ShapeRecorder:
         module's output is seen as the ``DTensor`` it made, before its style turns it into a local tensor)."""
 
         self.tensor_parallel = prepend
-        if self._parts is None and prepend:
-            self._parts = _LocalParts()
+        self._parts = _LocalParts() if prepend else None
 
         def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
             count = params[name] if params is not None else parameter_count(module)
