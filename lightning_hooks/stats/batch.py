@@ -28,13 +28,15 @@ Key = tuple[str, str]
 """``(group, name)``: what a state is of, e.g. ``("param", "fc1.weight")``."""
 
 ROW_MAX = 1 << 15
-"""A tensor of at most this many elements is reduced later with the others of its shape; a larger one at once."""
+"""A tensor of at most this many elements is copied into a slab with the others of its shape; a larger one is
+reduced at once."""
 
-PENDING_MAX = 1 << 22
-"""The copies waiting to be reduced hold at most this many elements (16 MB of float32)."""
+SLAB_BYTES = 1 << 20
+"""A slab holds this many bytes of float32 copies (at least one row) and is reduced as soon as it is full, while it is
+still in the CPU's cache (docs/performance.md, "CPU time of a logging step")."""
 
-SLAB_ROWS = 8
-"""A shape's first slab of copies holds this many rows (or as many as the shape had at the previous reduction)."""
+SLABS_OPEN = 16
+"""At most this many slabs are filled at once (16 MB): a new shape beyond them has every open slab reduced first."""
 
 
 class OutputKeys:
@@ -107,8 +109,6 @@ class StatBatch:
 
     def __init__(self, bins: int = 64) -> None:
         self.bins = bins
-        self._rows: dict[tuple[torch.device, torch.Size], int] = {}
-        """How many rows each shape's slabs held when last reduced: the size of its next first slab."""
         self.open = False
         self.clear()
 
@@ -124,9 +124,8 @@ class StatBatch:
         """States computed elsewhere (compiled graphs, empty tensors): the keys of their rows, and the rows."""
         self._raw: list[tuple[list[Key], torch.Tensor, list[int]]] = []
         """Reduced rows (:func:`raw_rows`), their keys and each row's count of values: made states at :meth:`fetch`."""
-        self._pending: dict[tuple[torch.device, torch.Size], list[tuple[list[Key], torch.Tensor]]] = {}
-        """Per device and shape, slabs of float32 copies waiting to be reduced together, with the keys of their rows."""
-        self._held = 0
+        self._slabs: dict[tuple[torch.device, torch.Size], tuple[list[Key], torch.Tensor]] = {}
+        """Per device and shape, the slab of float32 copies being filled, with the keys of its rows so far."""
         self._samples: dict[Key, list[torch.Tensor]] = {}
         self._scalars: list[tuple[Sequence[Key], torch.Tensor]] = []
         self._vectors: dict[Key, torch.Tensor] = {}
@@ -162,17 +161,22 @@ class StatBatch:
         n, k = first.numel(), len(tensors)
         if 0 < n <= ROW_MAX:
             slot = (first.device, first.shape)
-            slabs = self._pending.setdefault(slot, [])
-            if not slabs or len(slabs[-1][0]) + k > slabs[-1][1].shape[0]:  # each new slab twice the one before
-                rows = max(k, self._rows.get(slot, SLAB_ROWS), 2 * slabs[-1][1].shape[0] if slabs else 0)
-                slabs.append(([], first.new_empty((rows, *first.shape), dtype=torch.float32)))
-            slab_keys, slab = slabs[-1]
-            used = len(slab_keys)
-            slab[used : used + k].copy_(torch.stack(tensors) if k > 1 else first)  # one tensor broadcasts to its row
-            slab_keys.extend(keys)
-            self._held += n * k
-            if self._held > PENDING_MAX:
-                self._reduce_pending()
+            rows = max(1, SLAB_BYTES // (4 * n))
+            done = 0
+            while done < k:
+                if slot not in self._slabs:
+                    if len(self._slabs) == SLABS_OPEN:
+                        self._reduce_slabs()
+                    self._slabs[slot] = ([], first.new_empty((rows, *first.shape), dtype=torch.float32))
+                slab_keys, slab = self._slabs[slot]
+                used = len(slab_keys)
+                taken = min(k - done, rows - used)
+                part = tensors[done : done + taken]
+                slab[used : used + taken].copy_(torch.stack(part) if taken > 1 else part[0])  # one fills its row
+                slab_keys.extend(keys[done : done + taken])
+                done += taken
+                if used + taken == rows:
+                    self._reduce_slab(slot)
         elif n:
             for key, t in zip(keys, tensors, strict=True):
                 raw, sizes = raw_pieces(t)
@@ -182,6 +186,15 @@ class StatBatch:
         if histogram:
             for key, t in zip(keys, tensors, strict=True):
                 self._samples.setdefault(key, []).append(sample(t))
+
+    def _reduce_slabs(self) -> None:
+        for slot in list(self._slabs):
+            self._reduce_slab(slot)
+
+    def _reduce_slab(self, slot: tuple[torch.device, torch.Size]) -> None:
+        keys, slab = self._slabs.pop(slot)
+        rows = slab[: len(keys)].reshape(len(keys), -1)
+        self._raw.append((keys, raw_rows(rows), [rows.shape[1]] * len(keys)))
 
     def add_state(self, key: Key, row: torch.Tensor, sampled: torch.Tensor | None = None) -> None:
         """Pool a state computed elsewhere (:func:`state_row` in a compiled graph) under ``key``, with a
@@ -213,17 +226,9 @@ class StatBatch:
             found = self._vectors.get(key)
             self._vectors[key] = values if found is None else found + values
 
-    def _reduce_pending(self) -> None:
-        for slot, slabs in self._pending.items():
-            self._rows[slot] = sum(len(keys) for keys, _ in slabs)  # the next step's first slab takes them all
-            for keys, slab in slabs:
-                rows = slab[: len(keys)].reshape(len(keys), -1)
-                self._raw.append((keys, raw_rows(rows), [rows.shape[1]] * len(keys)))
-        self._pending, self._held = {}, 0
-
     def fetch(self, across: Across | None = None) -> Fetched:
         """Pool, derive, move everything to the host in one copy, and empty the batch."""
-        self._reduce_pending()
+        self._reduce_slabs()
         device = self._device or torch.device("cpu")
         keys = list(self._order)
         vector_keys = list(self._vectors)

@@ -52,14 +52,14 @@ class RowNet(TinyNet):
         return self.head(h + torch.where(side.isfinite(), side, 0.0))
 
 
-@pytest.mark.parametrize(("row_max", "pending_max"), [(1 << 15, 1 << 22), (1 << 15, 20), (10, 1 << 22)])
+@pytest.mark.parametrize(("row_max", "slab_bytes"), [(1 << 15, 1 << 20), (1 << 15, 3 * 256), (10, 1 << 20)])
 def test_logged_statistics_equal_the_per_tensor_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_max: int, pending_max: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_max: int, slab_bytes: int
 ) -> None:
-    # pending_max=20: the [8, 8] copies are reduced in the middle of forward and backward; row_max=10: each output
-    # is reduced in its hook
+    # slab_bytes=768: slabs of three [8, 8] float32 rows, full and reduced in the middle of forward and backward, with
+    # a call of two micro-batches spread over two slabs; row_max=10: each output is reduced in its hook
     monkeypatch.setattr(_stats, "ROW_MAX", row_max)
-    monkeypatch.setattr(_stats, "PENDING_MAX", pending_max)
+    monkeypatch.setattr(_stats, "SLAB_BYTES", slab_bytes)
     model = RowNet()
     callbacks = [ActivationStats(log_every_n_steps=1), GradStats(log_every_n_steps=1, param_grads=False)]
     make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1, accumulate_grad_batches=2).fit(model)

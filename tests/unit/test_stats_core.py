@@ -319,15 +319,24 @@ ROWS = [  # several tensors of one shape, so that buckets hold more than one row
 ]
 
 
-@pytest.mark.parametrize(("row_max", "pending"), [(1 << 15, 1 << 22), (1 << 15, 13), (10, 13)])
-def test_queued_rows_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, row_max: int, pending: int) -> None:
-    # 13 elements pending: copies are reduced while tensors are still being added; 10: [4, 6] is reduced at once
+@pytest.mark.parametrize(
+    ("row_max", "slab_bytes", "slabs_open"),
+    [(1 << 15, 1 << 20, 16), (1 << 15, 200, 16), (1 << 15, 1 << 20, 1), (10, 1, 16)],
+)
+def test_queued_rows_equal_the_per_tensor_path(
+    monkeypatch: pytest.MonkeyPatch, row_max: int, slab_bytes: int, slabs_open: int
+) -> None:
+    # 200 bytes: two [4, 6] rows a slab, full and reduced while tensors are still being added; one slab open: each new
+    # shape reduces the slab of the one before; 1 byte: slabs of one row each; row_max=10: [4, 6] is reduced at once
     monkeypatch.setattr(_stats, "ROW_MAX", row_max)
-    monkeypatch.setattr(_stats, "PENDING_MAX", pending)
+    monkeypatch.setattr(_stats, "SLAB_BYTES", slab_bytes)
+    monkeypatch.setattr(_stats, "SLABS_OPEN", slabs_open)
     tensors = [*ROWS, *MIXED]
     batch = StatBatch()
     batch.start()
-    for i, t in enumerate(tensors):
+    batch.add(("act", "0"), tensors[0])
+    batch.add_many([("act", str(i)) for i in range(1, 5)], tensors[1:5])  # of one shape: they fill a started slab
+    for i, t in enumerate(tensors[5:], 5):
         batch.add(("act", str(i)), t)
     got = batch.fetch().states
     assert list(got) == [("act", str(i)) for i in range(len(tensors))]  # call order kept
@@ -338,6 +347,18 @@ def test_queued_rows_equal_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch, 
         for stat, value in expected.items():
             assert derive(a)[stat] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (i, t.dtype, stat)
         assert (a.numel, a.nonzero, a.nonfinite) == (b.numel, b.nonzero, b.nonfinite)  # counts are exact
+
+
+def test_the_copies_waiting_for_their_reduction_are_bounded() -> None:
+    batch = StatBatch()
+    batch.start()
+    for i in range(3 * _stats.SLABS_OPEN):  # one small tensor of each of many shapes
+        batch.add(("act", str(i)), torch.ones(i + 1))
+        assert len(batch._slabs) <= _stats.SLABS_OPEN  # at most 16 MB of slabs, whatever the model
+    got = batch.fetch().states
+    assert [got["act", str(i)].numel for i in range(3 * _stats.SLABS_OPEN)] == [
+        i + 1.0 for i in range(3 * _stats.SLABS_OPEN)
+    ]
 
 
 def test_queued_rows_pool_calls_of_one_key_with_the_others() -> None:
