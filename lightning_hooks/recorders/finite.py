@@ -365,10 +365,10 @@ def finite_step(
 
 
 def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A float32 number, NaN or infinite when some value of ``tensors`` is: the sum of their norms on an
-    accelerator, the sum of their values on the CPU."""
-    if tensors[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).sum()
+    """A number, NaN or infinite when some value of ``tensors`` is: the largest of their magnitudes on an accelerator
+    (which no finite value overflows, whatever its dtype), the sum of their values on the CPU."""
+    if tensors[0].device.type != "cpu":  # one fused kernel there; on a CPU, a loop over the tensors (slower than a sum)
+        return torch.stack(torch._foreach_norm(tensors, math.inf)).amax()
     parts, chunk, size = [], [], 0
     for i, t in enumerate(tensors):
         chunk.append(t)

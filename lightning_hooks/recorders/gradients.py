@@ -288,33 +288,49 @@ class ParamGradRecorder:
 
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given
-    (a sharded one's change and weight as states, see :class:`ParamGradRecorder`)."""
+    (a sharded one's change and weight as states, see :class:`ParamGradRecorder`). The parameters of one device,
+    dtype and shape are copied and compared stacked, a few operators for each shape rather than for each parameter."""
 
     def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
         self.batch, self.weight_norms = batch, weight_norms
+        groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[tuple[str, nn.Parameter]]] = {}
+        self.sharded: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         with torch.no_grad():
-            self.sharded = [(name, p, counted_part(p).detach().clone()) for name, p in params if is_sharded(p)]
-            self.params = [(name, p) for name, p in params if not is_sharded(p)]
-            tensors: list[torch.Tensor] = [p for _, p in self.params]
-            self.minus_before: list[torch.Tensor] = list(torch._foreach_neg(tensors)) if tensors else []
+            for name, p in params:
+                if is_sharded(p):
+                    self.sharded.append((name, p, counted_part(p).detach().clone()))
+                else:
+                    groups.setdefault((p.device, p.dtype, p.shape), []).append((name, p))
+            self.before = [(group, _stacked(group)) for group in groups.values()]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params, self.params = self.params, []  # the copies are freed as soon as the ratios are taken
-        minus_before, self.minus_before = self.minus_before, []
+        before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
         sharded, self.sharded = self.sharded, []
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
             self.batch.add(("weight", name), old)
-        if not params:
+        if not before:
             return
         with torch.no_grad():
-            change = torch._foreach_add([p for _, p in params], minus_before)
-            change_norms = torch.stack(torch._foreach_norm(change, dtype=torch.float32)).double()
-            scale = torch.stack(torch._foreach_norm(minus_before, dtype=torch.float32)).double().clamp_min_(1e-12)
-        names = [name for name, _ in params]
-        self.batch.add_scalars([("ratio", name) for name in names], change_norms / scale)
+            changes = [_norms(_stacked(group).sub_(old)) for group, old in before]
+            scales = [_norms(old) for _, old in before]
+            change, scale = torch.cat(changes).double(), torch.cat(scales).double().clamp_min_(1e-12)
+        names = [name for group, _ in before for name, _ in group]
+        self.batch.add_scalars([("ratio", name) for name in names], change / scale)
         if self.weight_norms:
             self.batch.add_scalars([("wnorm", name) for name in names], scale)
+
+
+def _stacked(group: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
+    """The values of parameters of one shape, one row each (a copy)."""
+    return torch.stack([p for _, p in group]).reshape(len(group), group[0][1].numel())  # under no_grad
+
+
+def _norms(rows: torch.Tensor) -> torch.Tensor:
+    """The norm of each row, taken in float32 at least (a float16 norm overflows at 65,504)."""
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
+    return torch.linalg.vector_norm(rows, dim=1)
 
 
 def update_ratio(update: State, weight: State) -> float:

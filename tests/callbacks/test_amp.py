@@ -1,4 +1,4 @@
-"""Mixed precision: bf16 autocast, and fp16 with a real GradScaler on CPU."""
+"""Precisions: bf16 autocast, fp16 with a real GradScaler on CPU, and float64."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins import MixedPrecision
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats, ShapeLogger
+from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, NonFiniteGuard, ShapeLogger
 from tests.support.helpers import TinyNet, make_trainer, scalars
 
 
@@ -45,6 +45,35 @@ def test_bf16_mixed_runs_every_callback(tmp_path: Path) -> None:
     make_trainer(tmp_path, callbacks, precision="bf16-mixed", max_steps=3).fit(TinyNet())
     assert sorted(scalars(tmp_path, "act_mean/fc1")) == [0, 1, 2]
     assert all(0 < v < 1e3 for v in scalars(tmp_path, "out_grad_norm/fc1").values())
+
+
+class Weights(pl.Callback):
+    """``head.weight`` at each step's start and end."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, torch.Tensor] = {}
+        self.after: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.before[trainer.global_step] = pl_module.head.weight.detach().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after[trainer.global_step - 1] = pl_module.head.weight.detach().clone()
+
+
+def test_a_float64_fit_runs_every_callback(tmp_path: Path) -> None:
+    weights = Weights()
+    callbacks = [ShapeLogger(), GradClamp(10.0), GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
+    callbacks += [NonFiniteGuard(), HealthMonitor(log_every_n_steps=1), weights]
+    make_trainer(tmp_path, callbacks, precision="64-true", max_steps=3).fit(TinyNet())
+    for step in range(3):
+        before, after = weights.before[step], weights.after[step]
+        assert before.dtype == torch.float64
+        ratio = torch.linalg.vector_norm(after - before) / torch.linalg.vector_norm(before)
+        assert scalars(tmp_path, "update_ratio/head.weight")[step] == pytest.approx(
+            float(ratio), rel=1e-6
+        )  # float32 in the event file
+    assert sorted(scalars(tmp_path, "act_mean/fc1")) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("mode", ["backward", "accumulated"])
