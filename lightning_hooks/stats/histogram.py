@@ -37,18 +37,19 @@ def histogram_rows(x: torch.Tensor, bins: int) -> torch.Tensor:
     f64 = torch.float64
     if n == 0:
         return torch.zeros(k, 5 + bins, dtype=f64, device=x.device)
-    finite = torch.isfinite(x)
-    lo = torch.where(finite, x, math.inf).amin(1, keepdim=True)
-    hi = torch.where(finite, x, -math.inf).amax(1, keepdim=True)
-    safe = torch.where(finite, x, 0.0)
-    width = torch.clamp(hi - lo, min=1e-12)
-    index = ((safe - lo) / width * bins).floor_().clamp_(0, bins - 1).long()
-    index += torch.arange(0, k * bins, bins, device=x.device).unsqueeze(1)  # row r's buckets
-    counts = torch.zeros(k * bins, dtype=f64, device=x.device)
-    counts.scatter_add_(0, index.view(-1), finite.to(f64).view(-1))
-    num = finite.sum(1, keepdim=True)
-    columns = [lo, hi, num, safe.sum(1, keepdim=True), safe.square().sum(1, keepdim=True)]
-    return torch.cat([*(c.to(f64) for c in columns), counts.view(k, bins)], 1)
+    lo = torch.nan_to_num(x, nan=math.inf, posinf=math.inf, neginf=math.inf).amin(1, keepdim=True)  # finite ones
+    hi = torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf, neginf=-math.inf).amax(1, keepdim=True)
+    safe = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    # Bucket 0 of each row takes its NaN and Inf (counted with the others, then left out), 1 to ``bins`` its values.
+    position = (x - lo).div_(torch.clamp(hi - lo, min=1e-12)).mul_(bins)
+    position.nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0).floor_().clamp_(max=bins - 1)
+    position += torch.arange(1, k * (bins + 1), bins + 1, dtype=position.dtype, device=x.device).unsqueeze(1)
+    counts = torch.zeros(k * (bins + 1), dtype=f64, device=x.device)
+    counts.scatter_add_(0, position.long().view(-1), torch.ones(1, dtype=f64, device=x.device).expand(k * n))
+    counts = counts.view(k, bins + 1)
+    squares = safe.square().sum(1, keepdim=True)
+    columns = [lo, hi, n - counts[:, :1], safe.sum(1, keepdim=True), squares]
+    return torch.cat([*(c.to(f64) for c in columns), counts[:, 1:]], 1)
 
 
 @dataclass(frozen=True)

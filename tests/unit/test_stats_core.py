@@ -127,6 +127,15 @@ def test_histogram_matches_histc_in_the_values_dtype_and_skips_nonfinite(
     assert torch.equal(given[:5000], t)  # the caller's values are left alone
 
 
+@pytest.mark.parametrize(
+    "row", [[math.inf, math.inf], [-math.inf, math.nan], [math.nan, math.nan]], ids=["inf", "-inf-nan", "nan"]
+)
+def test_a_histogram_with_no_finite_value_counts_nothing(row: list[float]) -> None:
+    got = histogram_rows(torch.tensor([row, [2.5, 2.5]]), 4).tolist()
+    assert got[0] == [math.inf, -math.inf, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # as from no values at all
+    assert got[1] == [2.5, 2.5, 2.0, 5.0, 12.5, 2.0, 0.0, 0.0, 0.0]  # a constant row: all in the first bucket
+
+
 def fetch_histogram(calls: list[torch.Tensor], bins: int) -> tuple[list[float], list[float], float]:
     batch = StatBatch(bins)
     batch.start()
