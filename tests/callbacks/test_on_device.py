@@ -1,6 +1,6 @@
 """On each device here (``pytest -m cuda`` runs the CUDA half, skipped without a GPU): the statistics against values
 computed independently from the same tensors, in bf16 autocast and in fp16 with a real ``GradScaler``, and no hook
-left on the model after a fit with all six callbacks."""
+left on the model after a fit with all six callbacks, in float32 and float64."""
 
 from __future__ import annotations
 
@@ -120,11 +120,15 @@ def all_six() -> list[pl.Callback]:
     return [ShapeLogger(), GradStats(), ActivationStats(), GradClamp(0.5), NonFiniteGuard(), HealthMonitor()]
 
 
+@pytest.mark.parametrize("precision", ["32-true", "64-true"])  # float64: norms that must not narrow to float32
 @pytest.mark.parametrize("device", devices())
-def test_no_hook_is_left_on_the_model_after_a_fit_with_all_six(tmp_path: Path, device: str) -> None:
+def test_no_hook_is_left_on_the_model_after_a_fit_with_all_six(tmp_path: Path, device: str, precision: str) -> None:
     model = TinyNet()
     before = hook_state(model)
-    make_trainer(tmp_path, all_six(), accelerator=device, max_steps=4, log_every_n_steps=1).fit(model)
+    trainer = make_trainer(
+        tmp_path, all_six(), accelerator=device, precision=precision, max_steps=4, log_every_n_steps=1
+    )
+    trainer.fit(model)
     assert hook_state(model) == before
     assert scalars(tmp_path, "grad_norm_total")  # the callbacks did run
 
