@@ -56,6 +56,9 @@ def named_leaves(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
 def _leaves(obj: Any, prefix: str, level: int, found: list[tuple[str, Any]]) -> None:
     # A list filled in, not a generator: a graph break inside a generator makes dynamo skip the whole frame.
+    if type(obj) is torch.Tensor:  # what most modules take and return: a leaf, with no flattening to pay for
+        found.append((prefix, obj))
+        return
     try:
         flat, _ = pytree.tree_flatten_with_path(obj, is_leaf=_opaque_container)
     except Exception:  # a broken flatten function registered by someone else: show the object whole
