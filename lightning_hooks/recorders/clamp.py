@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part, summed
-from lightning_hooks.stats.state import counted
+from lightning_hooks.stats.state import counted, flat_pieces
 
 __all__ = ["GradClamper"]
 
@@ -148,7 +148,7 @@ class GradClamper:
         with torch.no_grad():
             if count.active:
                 seen = dense if counted is None else [grad for grad in counted if grad.layout is strided]
-                count.clamped += [count_above(grad, value) for grad in seen]
+                count.clamped += [count_above(piece, value) for piece in flat_pieces(seen)]
                 count.seen += sum(grad.numel() for grad in seen)
             torch._foreach_clamp_min_(dense, -value)
             torch._foreach_clamp_max_(dense, value)

@@ -17,7 +17,7 @@ from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
 from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
-from lightning_hooks.stats.state import nonfinite_count
+from lightning_hooks.stats.state import flat_pieces, nonfinite_count
 
 __all__ = ["NonFiniteRecorder", "find_nonfinite", "finite_step", "grad_readings", "parameter_readings"]
 
@@ -369,20 +369,9 @@ def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     (which no finite value overflows, whatever its dtype), the sum of their values on the CPU."""
     if tensors[0].device.type != "cpu":  # one fused kernel there; on a CPU, a loop over the tensors (slower than a sum)
         return torch.stack(torch._foreach_norm(tensors, math.inf)).amax()
-    parts, chunk, size = [], [], 0
-    for i, t in enumerate(tensors):
-        chunk.append(t)
-        size += t.numel()
-        if size >= CHUNK or i == len(tensors) - 1:
-            # The values end to end (one dtype after promotion), both parts of complex ones, summed in float32.
-            values = torch._C._nn.flatten_dense_tensors(chunk)
-            parts.append((torch.view_as_real(values) if values.is_complex() else values).sum(dtype=torch.float32))
-            chunk, size = [], 0
-    return torch.stack(parts).sum()
-
-
-CHUNK = 1 << 22
-"""Elements :func:`_finite_total` flattens at once on the CPU."""
+    # The values end to end (one dtype after promotion), both parts of complex ones, summed in float32.
+    real = (torch.view_as_real(v) if v.is_complex() else v for v in flat_pieces(tensors))
+    return torch.stack([v.sum(dtype=torch.float32) for v in real]).sum()
 
 
 def parameter_readings(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "counted",
     "derive",
     "derive_table",
+    "flat_pieces",
     "nonfinite_count",
     "norm_total",
     "pool",
@@ -96,7 +97,34 @@ def counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 
 CHUNK = 1 << 23
-"""The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces."""
+"""The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces; and
+about the most values of several tensors laid end to end by :func:`flat_pieces`."""
+
+
+def flat_pieces(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The values of the dense ``tensors`` (of one device) end to end, in flat pieces of up to :data:`CHUNK` values (a
+    larger tensor is a piece of its own, as a view): an operator or two per piece rather than per tensor.
+
+    Example::
+
+        >>> [p.tolist() for p in flat_pieces([torch.ones(2), torch.zeros(1, 2), torch.full((CHUNK,), 2.0)])][0]
+        [1.0, 1.0, 0.0, 0.0]
+    """
+    piece: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        if piece and size + t.numel() > CHUNK:
+            yield _flattened(piece)
+            piece, size = [], 0
+        piece.append(t)
+        size += t.numel()
+    if piece:
+        yield _flattened(piece)
+
+
+def _flattened(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # torch's own flattening (DDP's buckets): one copy in C++, the dtypes promoted as torch.cat does
+    return tensors[0].reshape(-1) if len(tensors) == 1 else torch._utils._flatten_dense_tensors(tensors)
 
 
 def state_row(t: torch.Tensor) -> torch.Tensor:

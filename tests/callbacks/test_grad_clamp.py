@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hooks import GradClamp
+from lightning_hooks.stats import state
 from tests.support.helpers import Probe, TinyNet, make_trainer, scalars
 
 
@@ -28,7 +29,12 @@ def test_equals_lightning_value_clipping(tmp_path: Path) -> None:
     assert not all(torch.allclose(a, c) for a, c in zip(clamped.parameters(), free.parameters(), strict=True))
 
 
-def test_clamped_fraction_matches_an_independent_count(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_clamped_fraction_matches_an_independent_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+) -> None:
+    if chunk is not None:  # the gradients counted in flat pieces of at most 10 values: biases together, weights alone
+        monkeypatch.setattr(state, "CHUNK", chunk)
     torch.manual_seed(0)
     model = TinyNet()
     reference = copy.deepcopy(model)

@@ -10,7 +10,6 @@ from torch import nn
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.select import ModuleSelector
 from lightning_hooks.diagnose.finding import INF, NAN, Reading
-from lightning_hooks.recorders import finite as _finite
 from lightning_hooks.recorders.finite import (
     NonFiniteRecorder,
     Readings,
@@ -19,6 +18,7 @@ from lightning_hooks.recorders.finite import (
     grad_readings,
     parameter_readings,
 )
+from lightning_hooks.stats import state
 
 NaN, Inf = math.nan, math.inf
 
@@ -255,7 +255,7 @@ def test_finite_step_finds_one_bad_value_wherever_it_is(
 ) -> None:
     # On the CPU the step's tensors are summed end to end in chunks: with chunks of at most 4 values here, the
     # five tensors (float32, bfloat16, float64, a 0-d loss) fall into several, and a bad value is found in each.
-    monkeypatch.setattr(_finite, "CHUNK", 4)
+    monkeypatch.setattr(state, "CHUNK", 4)
     tensors = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.float64), torch.ones(5)]
     loss = torch.tensor(2.0)
     assert finite_step(tensors, [loss])
