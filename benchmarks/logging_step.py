@@ -54,7 +54,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
-from benchmarks.overhead import WORKLOADS, quiet  # noqa: E402
+from benchmarks.overhead import WORKLOADS, Floor, quiet  # noqa: E402
 from lightning_hooks import ActivationStats, GradStats  # noqa: E402
 
 FLOORS = {
@@ -77,56 +77,6 @@ class Steps(pl.Callback):
             cpu, wall, process = (a - b for a, b in zip(now, self._last, strict=True))
             self.rows.append((trainer.global_step - 1, cpu, wall, process - cpu))
         self._last = now
-
-
-class Floor(pl.Callback):
-    """Plain torch hooks on every module on logging steps, removed at the step's end (see the module docstring)."""
-
-    def __init__(self, every: int, kind: str) -> None:
-        self.every, self.kind = every, kind
-        self.modules: list[torch.nn.Module] = []
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.taken: list[torch.Tensor] = []
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.modules = list(pl_module.modules())
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step % self.every == 0:
-            self.handles = [module.register_forward_hook(self.output) for module in self.modules]
-
-    def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            self.take(output)
-            if output.requires_grad:
-                output.register_hook(self.gradient)
-
-    def gradient(self, grad: torch.Tensor) -> None:
-        self.take(grad)
-
-    def take(self, t: torch.Tensor) -> None:
-        if self.kind == "sums":
-            self.taken.append(t.detach().sum())
-        elif self.kind == "copies":
-            self.taken.append(t.detach().clone())
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        if not self.taken:
-            return
-        if self.kind == "copies":
-            by_shape: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
-            for t in self.taken:
-                by_shape.setdefault((t.shape, t.dtype), []).append(t.reshape(-1))
-            reduced = []
-            for rows in by_shape.values():
-                m = torch.stack(rows).float()
-                reduced += [m.sum(1), m.square().sum(1), m.abs().amax(1), (m != 0).sum(1).float()]
-            self.taken = reduced
-        torch.cat([t.reshape(-1).float() for t in self.taken]).tolist()
-        self.taken = []
 
 
 def run(workload: str, steps: int, every: int, histograms: bool, floor: str | None = None) -> dict[str, Any]:

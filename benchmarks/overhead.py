@@ -12,7 +12,8 @@ loop (the limit), the Lightning fit without callbacks, each callback alone, all 
 ``GradStats`` + ``ActivationStats`` together at each logging frequency, ``HealthMonitor`` with
 every check and without ``loss_spike`` (the one check that keeps something on every step), an
 empty ``Callback`` (what Lightning charges any callback), ``gradient_clip_val`` (value clipping),
-torch's multi-tensor clamp alone (the floor under ``GradClamp``), and wandb's logger with and
+torch's multi-tensor clamp alone (the floor under ``GradClamp``), plain torch hooks that copy every output and
+output gradient and reduce the copies (:class:`Floor`: a peer of the statistics pair), and wandb's logger with and
 without ``wandb.watch(log="all")`` (offline).
 
 Two measures:
@@ -138,6 +139,8 @@ def variants(frequencies: list[int]) -> list[Variant]:
     clip = {"gradient_clip_val": CLAMP, "gradient_clip_algorithm": "value"}
     found.append(Variant(f"gradient_clip_val @{every}", trainer=clip, every=every))
     found.append(Variant(f"torch's foreach clamp alone @{every}", lambda: [ForeachClamp()], every=every))
+    # The plainest way to take statistics of every output and output gradient safely: a peer of the statistics pair.
+    found.append(Variant(f"plain hooks + copies @{every}", lambda: [Floor(every, "copies")], every=every))
     if _wandb_available():
         found += [
             Variant(f"wandb logger @{every}", wandb=True, every=every),
@@ -181,6 +184,60 @@ class ForeachClamp(pl.Callback):
         grads = [grad for p in self.params if (grad := p.grad) is not None]
         torch._foreach_clamp_min_(grads, -CLAMP)
         torch._foreach_clamp_max_(grads, CLAMP)
+
+
+class Floor(pl.Callback):
+    """Plain torch hooks on every module on logging steps, removed at the step's end: with ``kind`` ``"hooks"`` they do
+    nothing, ``"sums"`` takes one sum of each output and output gradient, ``"copies"`` copies each and reduces the
+    copies of each shape at the step's end to four plain statistics (sum, sum of squares, largest magnitude, non-zero
+    count); one transfer. The peers ``benchmarks/logging_step.py --floor`` and the ``plain hooks + copies`` variant
+    measure the callbacks against."""
+
+    def __init__(self, every: int, kind: str) -> None:
+        self.every, self.kind = every, kind
+        self.modules: list[torch.nn.Module] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.taken: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.modules = list(pl_module.modules())
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every == 0:
+            self.handles = [module.register_forward_hook(self.output) for module in self.modules]
+
+    def output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self.take(output)
+            if output.requires_grad:
+                output.register_hook(self.gradient)
+
+    def gradient(self, grad: torch.Tensor) -> None:
+        self.take(grad)
+
+    def take(self, t: torch.Tensor) -> None:
+        if self.kind == "sums":
+            self.taken.append(t.detach().sum())
+        elif self.kind == "copies":
+            self.taken.append(t.detach().clone())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if not self.taken:
+            return
+        if self.kind == "copies":
+            by_shape: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor]] = {}
+            for t in self.taken:
+                by_shape.setdefault((t.shape, t.dtype), []).append(t.reshape(-1))
+            reduced = []
+            for rows in by_shape.values():
+                m = torch.stack(rows).float()
+                reduced += [m.sum(1), m.square().sum(1), m.abs().amax(1), (m != 0).sum(1).float()]
+            self.taken = reduced
+        torch.cat([t.reshape(-1).float() for t in self.taken]).tolist()
+        self.taken = []
 
 
 def _wandb_available() -> bool:
