@@ -90,8 +90,7 @@ class MemoryLogger(HookCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""
         if self.snapshot_on_oom and trainer.strategy.root_device.type == "cuda":
-            # Python stacks of allocations only, though on an H200 that cost as much as torch's default (C++ and
-            # Python stacks of every event): 1.40x a GPT-2-small step (docs/performance.md), hence off by default.
+            # Python stacks of allocations only; what recording costs a step: docs/performance.md, "On a GPU".
             torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=HISTORY_ENTRIES)
             self._history = True
 
