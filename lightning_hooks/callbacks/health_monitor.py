@@ -445,6 +445,9 @@ class _LossRing:
     def norms(self, step: int, logging: bool) -> None:
         if step in self.grad_norms:  # a further optimizer of the step
             return
+        # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
+        # takes the norms only when its loss is half-way to a spike (measured: docs/performance.md, HealthMonitor);
+        # on an accelerator deciding would wait for the device.
         quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
         if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
             return
