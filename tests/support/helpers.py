@@ -117,6 +117,17 @@ def texts(root: Path, tag: str) -> dict[int, str]:
     return {e.step: e.tensor_proto.string_val[0].decode() for e in events(root).Tensors(tag)}
 
 
+_GLOBAL_HOOKS = (
+    "forward_pre_hooks",
+    "forward_hooks",
+    "forward_hooks_with_kwargs",
+    "forward_hooks_always_called",
+    "backward_pre_hooks",
+    "backward_hooks",
+    "module_registration_hooks",
+)
+
+
 def hook_state(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """How many hooks of each kind every module and parameter holds."""
     state: dict[str, tuple[int, ...]] = {}
@@ -133,6 +144,8 @@ def hook_state(model: nn.Module) -> dict[str, tuple[int, ...]]:
                 "_backward_pre_hooks",
             )
         )
+    # Hooks on every module of the process (a one-step recorder's): none may outlive it either.
+    state["global"] = tuple(len(getattr(torch.nn.modules.module, f"_global_{kind}")) for kind in _GLOBAL_HOOKS)
     for name, param in model.named_parameters():
         state[f"param:{name}"] = (
             len(param._backward_hooks or {}),
