@@ -11,7 +11,6 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, note_recorded, tensor_parallel_mesh
 from lightning_hooks.core import validate as _validate
-from lightning_hooks.core.compiled import has_compiled, run_eager
 from lightning_hooks.core.nested import Signature, format_signature, leaf_shapes, signature
 from lightning_hooks.core.select import type_label
 from lightning_hooks.recorders.shapes import ShapeRecorder, format_table, parameter_count, shape_table
@@ -33,9 +32,9 @@ class ShapeLogger(HookCallback):
     including children) is printed on rank zero and logged under ``shapes/train`` at ``global_step``.
     Later, shapes are recorded again when the batch's shapes change and every ``log_every_n_steps``
     optimizer steps; a table unlike every one logged in this fit is printed and logged. Only training
-    steps are recorded, not activation checkpointing's recompute. A recorded batch runs
-    ``torch.compile``'d code eagerly, so that the hooks fire: with a compiled region, shapes are
-    recorded on the first step and when the batch's shapes change, not every ``log_every_n_steps``.
+    steps are recorded, not activation checkpointing's recompute. Inside a ``torch.compile``'d region
+    the hooks are compiled into the graph of the steps that record, so a recorded step runs compiled
+    (no eager step, whose memory would be the eager model's).
 
     Args:
         log_every_n_steps: How often, in optimizer steps, shapes are re-checked even when the
@@ -77,8 +76,8 @@ class ShapeLogger(HookCallback):
         self._printed_batch: Signature | None = None
         """The batch of the last table printed in this fit."""
         self._params: dict[str, int] = {}
-        self._compiled = False
-        """Whether some selected module is inside a compiled region: recorded steps then run it eagerly."""
+        self._eager_modules: list[tuple[str, nn.Module]] = []
+        """The selected modules outside compiled regions, hooked for each recorded batch."""
         self._tensor_parallel = False
 
     @override
@@ -87,13 +86,14 @@ class ShapeLogger(HookCallback):
         self._params = {name: parameter_count(module) for name, module in modules}
         self._last_batch = None
         self._printed_batch = None
-        self._compiled = has_compiled(pl_module, modules)
         self._tensor_parallel = tensor_parallel_mesh(trainer) is not None
+        self._eager_modules, compiled = self._regions.enter(pl_module, modules)
+        self._recorder.attach_switched(compiled, self._handles, self._params)
 
     @override
     def _detach(self) -> None:
         super()._detach()
-        run_eager(self, False)
+        self._eager_modules = []
         self._recorder.active = False
         self._recorder.clear()
         self._logged = set()
@@ -113,14 +113,14 @@ class ShapeLogger(HookCallback):
         batch_shapes = leaf_shapes(batch)
         changed = batch_shapes != self._last_batch
         self._last_batch = batch_shapes
-        periodic = not self._compiled and self.due_step(trainer) is not None  # compiled: no eager step for it
+        periodic = self.due_step(trainer) is not None
         due = bool(self._modules) and (not self._logged or changed or periodic)
         if due and self.gate.begin(trainer.global_step, due=True):
             self._batch = signature(batch)
             self._recorder.clear()
             self._recorder.active = True
-            self._recorder.attach(self._modules, self._step_handles, self._params, prepend=self._tensor_parallel)
-            run_eager(self, self._compiled)
+            self._recorder.attach(self._eager_modules, self._step_handles, self._params, prepend=self._tensor_parallel)
+            self._regions.vote(self, True)
 
     @override
     def on_train_batch_end(
@@ -130,7 +130,7 @@ class ShapeLogger(HookCallback):
         self._step_handles.remove()
         if not self.gate.is_open:
             return
-        run_eager(self, False)
+        self._regions.vote(self, False)
         step = self.gate.end(trainer.global_step, force=True)  # one batch is recorded, not a whole step
         assert step is not None
         recorder.active = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from lightning_hooks.core.handles import Observer
 from lightning_hooks.core.select import is_compile_wrapper
 from lightning_hooks.stats.batch import Key, StatBatch, sample, state_row
 
-__all__ = ["Pending", "Region", "Regions", "Switched", "eager_stance", "has_compiled", "run_eager"]
+__all__ = ["Pending", "Region", "Regions", "Settles", "Switched", "eager_stance", "has_compiled", "run_eager"]
 
 _STEP_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 """What Lightning compiles on a LightningModule passed to ``fit`` as ``torch.compile(model)``."""
@@ -91,10 +91,16 @@ class Pending:
         self.rows, self.fired, self._settled, self._ran = [], [], [], set()
 
 
-class _Entry:
-    """A region's entry point during a fit: its compiled function, then each :class:`Pending` settled."""
+class Settles(Protocol):
+    """What traced hooks leave behind and a region settles after each call (:class:`Pending`, the shape rows)."""
 
-    def __init__(self, compiled: Callable[..., Any], pendings: list[Pending]) -> None:
+    def settle(self) -> None: ...
+
+
+class _Entry:
+    """A region's entry point during a fit: its compiled function, then each :class:`Settles` settled."""
+
+    def __init__(self, compiled: Callable[..., Any], pendings: list[Settles]) -> None:
         self.compiled, self.pendings = compiled, pendings
         self.__wrapped__ = getattr(compiled, "__wrapped__", compiled)  # what Lightning's `is_overridden` reads
 
@@ -115,11 +121,11 @@ class Region:
         self._module = weakref.ref(module)
         self.switch = Switch()
         self.users = 0
-        self.pendings: list[Pending] = []  # see settles()
+        self.pendings: list[Settles] = []  # see settles()
         self._saved: dict[str, Any] = {}
         self._members = {id(m) for m in module.modules()}
 
-    def settles(self, pending: Pending) -> None:
+    def settles(self, pending: Settles) -> None:
         """Settle ``pending`` after each call of the region (see :class:`Pending`)."""
         if all(p is not pending for p in self.pendings):
             self.pendings.append(pending)

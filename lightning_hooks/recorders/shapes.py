@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.autograd import in_backward
+from lightning_hooks.core.compiled import Region, Switched
 from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import (
     Leaf,
@@ -53,18 +54,29 @@ class ShapeRecorder:
     _open: dict[str, list[ShapeRow]] = field(default_factory=dict)
     _hooks: dict[str, tuple[_ShapePreHook, _ShapeHook]] = field(default_factory=dict)
     _parts: _LocalParts | None = None
+    _traced: dict[int, _TracedCalls] = field(default_factory=dict)
+    """Per compiled region (by id), what its hooks noted in the call running now."""
 
     def clear(self) -> None:
         self.rows, self._open = [], {}
         self._parts = _LocalParts() if self.tensor_parallel else None
 
-    def _record(self, row: ShapeRow, outputs: bool, value: Any) -> None:
-        if outputs:
-            row.outputs = signature(value)
-        else:
-            row.inputs = signature(value)
-        if self._parts is not None:
-            self._parts.note(row, outputs, value)
+    def _begin(self, hook: _ShapePreHook, inputs: Signature, value: Any = None) -> None:
+        """A call of ``hook``'s module starts: a row, in the order calls start; ``value`` (what the inputs are) lets
+        a local part be matched to its ``DTensor``."""
+        row = ShapeRow(hook.name, hook.type_name, hook.params, inputs)
+        if self._parts is not None and value is not None:
+            self._parts.note(row, False, value)
+        self.rows.append(row)
+        self._open.setdefault(hook.name, []).append(row)
+
+    def _end(self, name: str, outputs: Signature, value: Any = None) -> None:
+        """The last call of ``name`` still open returned."""
+        if pending := self._open.get(name):
+            row = pending.pop()
+            row.outputs = outputs
+            if self._parts is not None and value is not None:
+                self._parts.note(row, True, value)
 
     def attach(
         self,
@@ -80,13 +92,33 @@ class ShapeRecorder:
         self.tensor_parallel = prepend
         self._parts = _LocalParts() if prepend else None
 
+        hooks = self._made(modules, params)
+        handles.add_forward_pre_hooks([(module, pre) for module, (pre, _) in hooks], with_kwargs=True)
+        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True, prepend=prepend)
+
+    def attach_switched(
+        self, modules: Sequence[tuple[str, nn.Module, Region]], handles: HookHandles, params: dict[str, int]
+    ) -> None:
+        """Hook modules inside compiled regions for a whole fit: the hooks run while their region's switch is on,
+        inlined by dynamo into that graph, so that a recorded step runs compiled. Traced code only notes each call's
+        signature; the rows are made as the region returns (taken while ``active``), in the order of the calls. A
+        tensor-parallel local part met there is shown by its own shape."""
+        made = self._made([(name, module) for name, module, _ in modules], params)
+        for (module, (pre, post)), (_, _, region) in zip(made, modules, strict=True):
+            calls = self._traced.setdefault(id(region), _TracedCalls(self))
+            region.settles(calls)
+            starts, ends = Switched(region.switch, _Traced(pre, calls)), Switched(region.switch, _Traced(post, calls))
+            handles.add(module.register_forward_pre_hook(starts, with_kwargs=True))
+            handles.add(module.register_forward_hook(ends, always_call=True))
+
+    def _made(
+        self, modules: Sequence[tuple[str, nn.Module]], params: dict[str, int] | None
+    ) -> list[tuple[nn.Module, tuple[_ShapePreHook, _ShapeHook]]]:
         def make(name: str, module: nn.Module) -> tuple[_ShapePreHook, _ShapeHook]:
             count = params[name] if params is not None else parameter_count(module)
             return _ShapePreHook(self, name, type_label(module), count), _ShapeHook(self, name)
 
-        hooks = made_once(self._hooks, modules, make)
-        handles.add_forward_pre_hooks([(module, pre) for module, (pre, _) in hooks], with_kwargs=True)
-        handles.add_forward_hooks([(module, post) for module, (_, post) in hooks], always_call=True, prepend=prepend)
+        return made_once(self._hooks, modules, make)
 
     def table(self) -> tuple[tuple[str, Signature, Signature], ...]:
         """What the recorded rows say, comparable between steps."""
@@ -104,12 +136,12 @@ class _ShapePreHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():  # activation checkpointing re-running forward
-            return
-        row = ShapeRow(self.name, self.type_name, self.params, ())
-        recorder._record(row, False, call_inputs(args, kwargs))
-        recorder.rows.append(row)
-        recorder._open.setdefault(self.name, []).append(row)
+        if recorder.active and not in_backward():  # not activation checkpointing re-running forward
+            inputs = call_inputs(args, kwargs)
+            recorder._begin(self, signature(inputs), inputs)
+
+    def take(self, inputs: Signature) -> None:
+        self.recorder._begin(self, inputs)
 
 
 class _ShapeHook:
@@ -118,10 +150,39 @@ class _ShapeHook:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():
-            return
-        if pending := recorder._open.get(self.name):
-            recorder._record(pending.pop(), True, output)
+        if recorder.active and not in_backward():
+            recorder._end(self.name, signature(output), output)
+
+    def take(self, outputs: Signature) -> None:
+        self.recorder._end(self.name, outputs)
+
+
+class _TracedCalls:
+    """The signatures the hooks of one compiled region noted in a call of it. Empty whenever the region is entered
+    (dynamo guards on the list's length: a list that kept rows between calls would recompile the graph), and made
+    into rows by :meth:`settle` as it returns."""
+
+    def __init__(self, recorder: ShapeRecorder) -> None:
+        self.recorder = recorder
+        self.calls: list[tuple[_ShapePreHook | _ShapeHook, Signature]] = []
+
+    def settle(self) -> None:
+        calls = list(self.calls)
+        self.calls.clear()
+        if self.recorder.active:
+            for hook, seen in calls:
+                hook.take(seen)
+
+
+class _Traced:
+    """A shape hook as it runs inside a compiled region: it notes the call's signature in ``into``."""
+
+    def __init__(self, hook: _ShapePreHook | _ShapeHook, into: _TracedCalls) -> None:
+        self.hook, self.into = hook, into
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        seen = rest[-1] if isinstance(self.hook, _ShapeHook) else call_inputs(args, rest[0])
+        self.into.calls.append((self.hook, signature(seen)))
 
 
 class _LocalParts:

@@ -153,7 +153,7 @@ def test_after_fit_the_region_runs_as_before(runs: dict[str, Any]) -> None:
     assert not _READERS
     assert model.body.__dict__["forward"] is runs["entry"]
     gc.collect()  # the fresh entry point, its compiled graphs and the hooks they inlined are gone with it
-    assert len(runs["refs"]) == 2 * 5  # ActivationStats and GradStats on body and its 4 modules (head: eager)
+    assert len(runs["refs"]) == 3 * 5  # ActivationStats, GradStats, ShapeLogger on body and its 4 modules (not head)
     assert [ref() for ref in runs["refs"]] == [None] * len(runs["refs"])
     counters.clear()
     model(model.x[:16]).sum().backward()  # the graph cached before the fit, with no hook in it
@@ -231,22 +231,34 @@ def test_health_monitor_beside_a_compiled_region_says_what_it_leaves_out(tmp_pat
     assert hook_state(model) == before
 
 
-def test_shape_logger_leaves_a_compiled_region_compiled_while_batch_shapes_stay(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("every", [1, 100])
+def test_shape_logger_records_a_compiled_region_without_an_eager_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], every: int
 ) -> None:
-    # A re-check is due on every step, but batches keep their shape (64 samples in batches of 16): only step 0 runs
-    # the region eagerly, to record it; every other step runs its one compiled graph.
-    model = CompiledBody(n=64)
-    warm_up(model)
-    shapes = ShapeLogger()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        run = fit(tmp_path, model, [shapes], max_steps=6, log_every_n_steps=1, logger=False)
-    compiled_calls = [e for e in profiler.events() if e.name.startswith("Torch-Compiled Region")]
-    assert len(compiled_calls) == 5
-    assert (run.graphs, run.breaks) == (0, 0)  # the graph compiled by the warm-up served every compiled step
-    printed = capsys.readouterr().out
-    assert printed.count("ShapeLogger: CompiledBody · step 0") == 1  # the region's modules recorded, once
-    assert "body.fc1" in printed
+    # 56 samples in batches of 16: the last batch (8) changes shape. Every step runs the region compiled (an eager
+    # step would peak at the eager model's memory), and the tables are the eager fit's, row for row.
+    def tables(compiled: bool) -> tuple[list[str], int, Run]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            run = fit(
+                tmp_path / str(compiled),
+                CompiledBody(compiled=compiled, n=56),
+                [ShapeLogger(every)],
+                max_steps=8,
+                log_every_n_steps=1,
+                logger=False,
+            )
+        calls = len([e for e in profiler.events() if e.name.startswith("Torch-Compiled Region")])
+        return capsys.readouterr().out.split("ShapeLogger: ")[1:], calls, run
+
+    eager, _, _ = tables(False)
+    compiled, calls, run = tables(True)
+    assert len(eager) == 2  # steps 0 and 3 (the batch of 8)
+    assert "[8, 4]" not in eager[0]
+    assert "body.fc2   Linear        [8, 8]  [8, 8]" in eager[1]
+    assert compiled == eager
+    assert calls == 8
+    assert run.breaks == 0
+    assert not [w for w in run.caught if "recompile" in w]
 
 
 class Block(nn.Module):
