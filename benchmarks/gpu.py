@@ -11,10 +11,9 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
 
 1. **Step time** (``time``). Fits without callbacks, with all six at ``log_every_n_steps=50``, with the four
    observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor) and with NonFiniteGuard alone, checking
-   every step and every 10 steps. Each fit leaves out its first ``WARMUP`` steps (compiles; compiled, also the
-   first 50, whose logging step compiles the logging graph) and times windows of 50 steps (each holds one
-   logging step) between two synchronisations; the figure is the median window over every fit of a variant,
-   relative to the baseline's. Fits run in rounds, every variant once per round in an order rotated every
+   every step and every 10 steps. Each fit leaves out its first ``WARMUP`` steps (compiles) and times windows of
+   50 steps (each holds one logging step) between two synchronisations; the figure is the median window over
+   every fit of a variant, relative to the baseline's. Fits run in rounds, every variant once per round in an order rotated every
    round, until the budget's share for the section is spent. Peak memory
    (``torch.cuda.max_memory_allocated`` from the fit's start) comes from the same fits, and compiled, dynamo's
    graphs and graph breaks of each fit.
@@ -245,9 +244,7 @@ def step_times(
     """Section 1: rounds of fits, every variant once per round in a rotated order, for each mode."""
     names = list(VARIANTS)
     for mode, module in modules.items():
-        # Compiled, ShapeLogger runs logging step 0 eagerly, so the logging graph is compiled at step 50: a fit's
-        # one-off, left out with the warm-up.
-        warmup = WARMUP + (EVERY if mode == "compiled" else 0)
+        warmup = WARMUP  # compiled, both graphs are made in it: the logging one at step 0, the quiet one at step 1
         steps = warmup + windows * EVERY
         with section(results, f"step time ({mode})") as found:
             windows_ms: dict[str, list[float]] = {n: [] for n in names}
