@@ -199,7 +199,7 @@ def test_nonfinite_guard_names_a_layer_inside_a_compiled_region(tmp_path: Path, 
 
 def test_a_lightning_module_compiled_whole(tmp_path: Path) -> None:
     def callbacks() -> list[Any]:
-        return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2)]
+        return [ActivationStats(log_every_n_steps=2), GradStats(log_every_n_steps=2), ShapeLogger(log_every_n_steps=2)]
 
     torch.manual_seed(0)
     eager = fit(tmp_path / "eager", Whole(), callbacks())
@@ -212,6 +212,8 @@ def test_a_lightning_module_compiled_whole(tmp_path: Path) -> None:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), tag
     assert (compiled.graphs, compiled.breaks) == (2, 0)
     assert not [w for w in compiled.caught if "never ran" in w]
+    assert texts(compiled.root, "shapes/train") == texts(eager.root, "shapes/train")
+    assert "| fc2 | Linear | [16, 8] | [16, 8] |" in texts(compiled.root, "shapes/train")[0]
     assert set(hook_state(model).values()) <= {(0,) * 7, (0, 0)}
 
 
