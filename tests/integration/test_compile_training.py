@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_hooks import GradClamp, NonFiniteError, NonFiniteGuard
+from lightning_hooks import GradClamp, NonFiniteError, NonFiniteGuard, ShapeLogger
 from tests.callbacks.test_nonfinite_guard import ChainNet
 from tests.integration.test_compile import Body, CompiledBody, fit, statistics
-from tests.support.helpers import events, hook_state, make_trainer, scalars
+from tests.support.helpers import events, hook_state, make_trainer, scalars, texts
 from tests.unit.test_finite_core import Log
 
 COMPILED_LAYERS = ("body", "body.fc1", "body.fc2", "body.act", "body.last")
@@ -41,10 +41,15 @@ def assert_same_scalars(eager: Path, compiled: Path, steps: list[int], rel: floa
 def test_accumulated_steps_report_what_eager_reports(tmp_path: Path) -> None:
     # 3 batches an epoch: step 0 is batches 0 and 1, step 2 batches 0 and 1 of the second epoch; each logging
     # step pools two micro-batches, which run the logging graph, and the quiet ones run the quiet graph.
+    # ShapeLogger records the first micro-batch of each logging step, inside the same logging graph.
     common: dict[str, Any] = {"accumulate_grad_batches": 2, "max_steps": 3}
-    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), statistics(), **common)
-    compiled = fit(tmp_path / "compiled", CompiledBody(), statistics(), **common)
+    eager = fit(tmp_path / "eager", CompiledBody(compiled=False), [*statistics(), ShapeLogger(2)], **common)
+    compiled = fit(tmp_path / "compiled", CompiledBody(), [*statistics(), ShapeLogger(2)], **common)
     tags = assert_same_scalars(eager.root, compiled.root, [0, 2])
+    shapes = texts(compiled.root, "shapes/train")
+    assert shapes == texts(eager.root, "shapes/train")
+    assert len(shapes) == 1  # the same table at steps 0 and 2, logged once
+    assert shapes[0].count("| body.act | ReLU | [16, 8] | [16, 8] |") == 2
     for group in ("act_mean/", "act_std/", "out_grad_norm/", "grad_norm/", "update_ratio/"):
         assert [t for t in tags if t.startswith(group + "body.fc1")], group
     want, got = events(eager.root).Histograms("act/body.act"), events(compiled.root).Histograms("act/body.act")
