@@ -13,13 +13,15 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
    observers (ShapeLogger, GradStats, ActivationStats, HealthMonitor) and with NonFiniteGuard alone, checking
    every step and every 10 steps. Each fit leaves out its first ``WARMUP`` steps (compiles) and times windows of
    50 steps (each holds one logging step) between two synchronisations; the figure is the median window over
-   every fit of a variant, relative to the baseline's. Fits run in rounds, every variant once per round in an order rotated every
-   round, until the budget's share for the section is spent. Peak memory
+   every fit of a variant, relative to the baseline's. Fits run in rounds, every variant once per round in an
+   order rotated every round, until the budget's share for the section is spent. Peak memory
    (``torch.cuda.max_memory_allocated`` from the fit's start) comes from the same fits, and compiled, dynamo's
    graphs and graph breaks of each fit.
 2. **The logging step's extra time** (``logging``): fits logging every 10 steps, synchronised at every
    step, without callbacks, with all six, GradStats with ActivationStats, and HealthMonitor: the median
-   logging step less the median quiet step (a quiet step's cost shows against the fit without callbacks).
+   logging step less the median quiet step (a quiet step's cost shows against the fit without callbacks),
+   and each fit's peak memory. Eager, all six and the statistics pair also run with a prototype,
+   ``SlabsOnDevice``: large tensors copied into slabs and reduced several at once.
 3. **MemoryLogger** (``memory_logger``): its peak of the recorded step against
    ``torch.cuda.max_memory_allocated`` over the same step, and the recorded step's time.
 4. **Synchronisations** (``sync``): ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
@@ -138,11 +140,45 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "NonFiniteGuard every 10": lambda: [NonFiniteGuard(check_every_n_steps=10)],
 }
 
+
+class SlabsOnDevice(pl.Callback):
+    """A prototype, timed beside the library as it is: a tensor of up to ``CHUNK`` values copied into its shape's
+    slab (``slab_mb`` each, at most ``open_slabs`` filled at once) and reduced with the slab's other rows, instead of
+    reduced alone in about twelve operators. On a GPU the copy is one launch and the host pays per operator, not per
+    value; on a CPU the library keeps slabs of 1 MB for rows of at most 32 K values, which the cache holds. It sets
+    ``lightning_hooks.stats.batch``'s limits for the fit and puts them back after it."""
+
+    def __init__(self, slab_mb: int = 64, open_slabs: int = 4) -> None:
+        from lightning_hooks.stats.state import CHUNK
+
+        self.limits = {"ROW_MAX": CHUNK, "SLAB_BYTES": slab_mb << 20, "SLABS_OPEN": open_slabs}
+        self.saved: dict[str, int] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_hooks.stats import batch
+
+        self.saved = {name: getattr(batch, name) for name in self.limits}
+        for name, value in self.limits.items():
+            setattr(batch, name, value)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_hooks.stats import batch
+
+        for name, value in self.saved.items():
+            setattr(batch, name, value)
+
+
 LOGGING_VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "without callbacks": list,
     "all six": all_six,
     "GradStats + ActivationStats": lambda: [GradStats(), ActivationStats()],
     "HealthMonitor": lambda: [HealthMonitor()],
+    "all six, slabs on the device (prototype)": lambda: [SlabsOnDevice(), *all_six()],
+    "GradStats + ActivationStats, slabs on the device (prototype)": lambda: [
+        SlabsOnDevice(),
+        GradStats(),
+        ActivationStats(),
+    ],
 }
 
 
@@ -298,6 +334,7 @@ def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None
                     "extra_ms": _median(logging) - _median(quiet),
                     "logging_steps": len(logging),
                     "first_step_ms": clock.step_ms()[0][1],
+                    "peak_bytes": clock.peak,
                 }
                 results.put(f"logging step ({mode})", found)
 
