@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard, ShapeLogger
 from lightning_hooks.recorders.gradients import _READERS
-from tests.support.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
+from tests.support.helpers import CUDA, Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
 
 N = 48
 """Three full batches of 16: one input shape, so each variant of a region is compiled once."""
@@ -233,9 +233,9 @@ def test_health_monitor_beside_a_compiled_region_says_what_it_leaves_out(tmp_pat
     assert hook_state(model) == before
 
 
-@pytest.mark.parametrize("every", [1, 100])
+@pytest.mark.parametrize(("every", "device"), [(1, "cpu"), (100, "cpu"), pytest.param(100, "cuda", marks=CUDA)])
 def test_shape_logger_records_a_compiled_region_without_an_eager_step(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], every: int
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], every: int, device: str
 ) -> None:
     # 56 samples in batches of 16: the last batch (8) changes shape. Every step runs the region compiled (an eager
     # step would peak at the eager model's memory), and the tables are the eager fit's, row for row.
@@ -248,6 +248,7 @@ def test_shape_logger_records_a_compiled_region_without_an_eager_step(
                 max_steps=8,
                 log_every_n_steps=1,
                 logger=False,
+                accelerator=device,
             )
         calls = len([e for e in profiler.events() if e.name.startswith("Torch-Compiled Region")])
         return capsys.readouterr().out.split("ShapeLogger: ")[1:], calls, run
