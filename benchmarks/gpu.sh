@@ -11,7 +11,7 @@ python3 -c "import torch, lightning, transformers; print(torch.__version__, ligh
     | tee -a "$OUT/card.txt"
 timeout "${TESTS_S:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider --durations=5 \
     tests/callbacks/test_on_device.py tests/callbacks/test_sync_free.py tests/callbacks/test_nonfinite_replay.py \
-    tests/callbacks/test_memory_logger.py \
+    tests/callbacks/test_memory_logger.py tests/integration/test_compile.py \
     >"$OUT/pytest.log" 2>&1
 echo "pytest rc $?"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 timeout "${BENCH_S:-400}" python3 benchmarks/gpu.py --out "$OUT" --budget "${BUDGET_S:-330}" >"$OUT/gpu.log" 2>&1
