@@ -126,6 +126,8 @@ def test_the_gpu_benchmark_runs_on_a_tiny_model_and_writes_its_results(tmp_path:
         "all six",
         "GradStats + ActivationStats",
         "HealthMonitor",
+        "all six, slabs on the device (prototype)",
+        "GradStats + ActivationStats, slabs on the device (prototype)",
     }
     assert "| all six @50 |" in out
     assert (tmp_path / "gpu.md").read_text().strip() in out
