@@ -140,7 +140,7 @@ def test_ddp_with_accumulation_reports_every_compiled_layer_as_eager_ddp_does(
     model = Twins()
     assert all(torch.equal(a, b) for a, b in zip(model.body.parameters(), model.twin.parameters(), strict=True))
     initial = copy.deepcopy(model.body.state_dict())
-    callbacks = [*statistics(), GradClamp(0.01)]
+    callbacks = [*statistics(), GradClamp(0.01), ShapeLogger(2)]
     # `ddp_fork`: the processes inherit the imports and inductor's in-memory caches of this one (inductor resets its
     # compile workers after a fork): 6 s, where `ddp_spawn` takes 20-35 s on the 2-core VM.
     # tests/integration/test_ddp.py covers the `ddp` and `ddp_spawn` launchers; the callbacks do not depend on
@@ -157,6 +157,10 @@ def test_ddp_with_accumulation_reports_every_compiled_layer_as_eager_ddp_does(
         for stat in ("act_mean", "act_std", "out_grad_norm", "out_grad_abs_max"):
             assert f"{stat}/{layer.replace('body', 'twin').replace('head', 'twin_head')}" in twin_tags
     assert len(twin_tags) > 50
+    shapes = texts(tmp_path, "shapes/train")  # rank zero's, the compiled body recorded inside its logging graph
+    assert len(shapes) == 1
+    for row in ("fc1 | Linear | [16, 4] | [16, 8] |", "act | ReLU | [16, 8] | [16, 8] |"):
+        assert shapes[0].count(f"| body.{row}") == shapes[0].count(f"| twin.{row}") >= 1, row
     for eager_tag in twin_tags:
         tag = eager_tag.replace("/twin_head", "/head").replace("/twin", "/body")
         want, got = scalars(tmp_path, eager_tag), scalars(tmp_path, tag)
