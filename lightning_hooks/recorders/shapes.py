@@ -181,6 +181,8 @@ class _Traced:
         self.hook, self.into = hook, into
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        if in_backward():  # the region run eagerly (a forced eager stance), its checkpointed forward run again
+            return
         seen = rest[-1] if isinstance(self.hook, _ShapeHook) else call_inputs(args, rest[0])
         self.into.calls.append((self.hook, signature(seen)))
 

@@ -305,3 +305,32 @@ def test_a_nested_output_with_none_breaks_no_graph(tmp_path: Path) -> None:
     run = fit(tmp_path, Blocks(), [ActivationStats(log_every_n_steps=1)], max_steps=2)
     assert run.breaks == 0
     assert sorted(scalars(tmp_path, "act_mean/stack.blocks.0.out.0")) == [0, 1]
+
+
+class Checkpointed(nn.Module):
+    """``Body`` run under activation checkpointing: backward runs its forward again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
+def test_shape_logger_in_a_region_run_eagerly_leaves_out_checkpointing_recompute(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # NonFiniteGuard(mode="eager") runs every checked step with compiled code forced eager, so the region's shape
+    # hooks run as Python, also when backward runs the checkpointed forward again: those calls are not the step's.
+    def printed(compiled: bool) -> list[str]:
+        model = CompiledBody(compiled=compiled)
+        model.body = torch.compile(Checkpointed()) if compiled else Checkpointed()
+        fit(tmp_path / str(compiled), model, [NonFiniteGuard(mode="eager"), ShapeLogger(1)], max_steps=3)
+        return capsys.readouterr().out.split("ShapeLogger: ")[1:]
+
+    eager = printed(False)
+    assert len(eager) == 1  # one table: every step's calls are the same
+    assert "body.inner.fc1" in eager[0]
+    assert printed(True) == eager
