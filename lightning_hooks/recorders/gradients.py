@@ -312,10 +312,8 @@ class _UpdateRatio:
         if not before:
             return
         with torch.no_grad():
+            changes = [_norms(_stacked(group).sub_(old)) for group, old in before]
             scales = [_norms(old) for _, old in before]
-            for group, old in before:  # old - new in place, row by row: no second copy of the weights
-                torch._foreach_sub_(list(old.unbind(0)), [p.reshape(-1) for _, p in group])
-            changes = [_norms(old) for _, old in before]
             change, scale = torch.cat(changes).double(), torch.cat(scales).double().clamp_min_(1e-12)
         names = [name for group, _ in before for name, _ in group]
         self.batch.add_scalars([("ratio", name) for name in names], change / scale)
