@@ -156,6 +156,8 @@ class HookCallback(Callback):
         self._step_handles = HookHandles()
         self._regions = Regions()
         self._modules: list[tuple[str, nn.Module]] = []
+        self._eager_modules: list[tuple[str, nn.Module]] = []
+        """The selected modules outside compiled regions: hooked for the steps that record."""
         self._sink = Sink(owner)
         self.gate = StepGate()
         self.batch_step = -1
@@ -185,8 +187,12 @@ class HookCallback(Callback):
         self.gate.reset()
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy sent to another process or saved must not drag the model along.
-        return {**self.__dict__, "_modules": [], "_regions": Regions()}
+        # A copy sent to another process or saved must not drag the model along: not the modules, nor the
+        # LightningModule's `log` and `log_dict`, which Lightning binds onto every callback for the fit.
+        state = {**self.__dict__, "_modules": [], "_eager_modules": [], "_regions": Regions()}
+        for bound in ("log", "log_dict"):
+            state.pop(bound, None)
+        return state
 
     @property
     @override
@@ -264,7 +270,6 @@ class StatsCallback(HookCallback):
         self.histograms = _validate.boolean(owner, "histograms", histograms)
         self._batch = StatBatch(self.bins)
         self._pending = Pending()
-        self._eager_modules: list[tuple[str, nn.Module]] = []
         self._enabled = True
         self._tensor_parallel = False
         self._fired: set[str] = set()  # the selected modules whose recorder hooks ran in this fit

@@ -82,6 +82,9 @@ class GradClamp(HookCallback):
         self._sharded = False  # some parameter is sharded (FSDP2): the clamped count is summed over processes
         self._per_backward = False  # each backward pass gets its clamp in `on_before_backward`, as it ends
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_params": []}
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from typing_extensions import override
@@ -134,6 +134,9 @@ class GradStats(StatsCallback):
     def _detach(self) -> None:
         super()._detach()
         self._params = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_params": []}
 
     @override
     def _start_step(self) -> None:

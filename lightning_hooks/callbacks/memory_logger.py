@@ -86,6 +86,9 @@ class MemoryLogger(HookCallback):
         self._history = False
         self._warned = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_recorder": None}  # a recording in progress stays with the original
+
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""

@@ -76,8 +76,6 @@ class ShapeLogger(HookCallback):
         self._printed_batch: Signature | None = None
         """The batch of the last table printed in this fit."""
         self._params: dict[str, int] = {}
-        self._eager_modules: list[tuple[str, nn.Module]] = []
-        """The selected modules outside compiled regions, hooked for each recorded batch."""
         self._tensor_parallel = False
 
     @override

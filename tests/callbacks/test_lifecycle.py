@@ -1,11 +1,16 @@
 """Hooks leave with fit, whichever way fit ends."""
 
+import io
+import pickle
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+import lightning_hooks as lh
 from lightning_hooks import GradClamp, ShapeLogger
 from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, texts
 
@@ -72,3 +77,47 @@ def test_validate_test_and_predict_attach_nothing(tmp_path: Path) -> None:
 
     make_trainer(tmp_path, [Spy(), GradClamp(0.1)], limit_val_batches=1).validate(model)
     assert seen == [before]
+
+
+class _ModelFinder(pickle.Pickler):
+    """Pickles to nowhere, noting every module and parameter it meets instead of pickling it."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO())
+        self.found: set[str] = set()
+
+    def persistent_id(self, obj: object) -> str | None:
+        if isinstance(obj, (nn.Module, nn.Parameter)):
+            self.found.add(type(obj).__name__)
+            return "model"
+        return None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: lh.ShapeLogger(1),
+        lambda: lh.GradStats(log_every_n_steps=1),
+        lambda: lh.ActivationStats(log_every_n_steps=1),
+        lambda: lh.HealthMonitor(log_every_n_steps=1),
+        lambda: lh.GradClamp(0.5),
+        lambda: lh.NonFiniteGuard(),
+        lambda: lh.MemoryLogger(at_step=1),
+    ],
+    ids=["ShapeLogger", "GradStats", "ActivationStats", "HealthMonitor", "GradClamp", "NonFiniteGuard", "MemoryLogger"],
+)
+def test_a_callback_pickled_during_a_fit_leaves_the_model_behind(tmp_path: Path, make: Any) -> None:
+    # A copy sent to another process or saved must not drag the model along: not the modules it hooks, not their
+    # parameters, not the LightningModule's `log` and `log_dict`, which Lightning binds onto every callback.
+    callback = make()
+    found: set[str] = set()
+
+    def look(trainer: Any, pl_module: Any, *args: Any) -> None:
+        finder = _ModelFinder()
+        finder.dump(callback)
+        found.update(finder.found)
+
+    probes = [Probe(hook, look) for hook in ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")]
+    make_trainer(tmp_path, [callback, *probes], max_steps=3).fit(TinyNet())
+    assert probes[-1].seen  # the probes ran
+    assert found == set()
