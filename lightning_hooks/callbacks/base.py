@@ -179,7 +179,7 @@ class HookCallback(Callback):
         self._step_handles.remove()
         self._handles.remove()
         self._regions.leave()  # after the hooks: each compiled region gets its own entry point back
-        self._modules = []
+        self._modules, self._eager_modules = [], []
 
     def _detach(self) -> None:
         """End of a fit, however it ended: hooks go, per-fit state is reset."""
@@ -313,7 +313,6 @@ class StatsCallback(HookCallback):
         super()._detach()
         self._batch.clear()
         self._pending.clear()
-        self._eager_modules = []
         self._dashboard.reset()
 
     @override

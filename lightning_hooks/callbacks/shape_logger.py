@@ -91,7 +91,6 @@ class ShapeLogger(HookCallback):
     @override
     def _detach(self) -> None:
         super()._detach()
-        self._eager_modules = []
         self._recorder.active = False
         self._recorder.clear()
         self._logged = set()
