@@ -100,7 +100,7 @@ class MemoryLogger(HookCallback):
     @override
     def _detach(self) -> None:
         if self._recorder is not None:
-            self._recorder.stop()
+            self._recorder.close()
             self._recorder = None
         if self._history:
             self._history = False
@@ -134,7 +134,7 @@ class MemoryLogger(HookCallback):
 
     def _give_up(self, error: BaseException) -> None:
         if self._recorder is not None:
-            self._recorder.stop()
+            self._recorder.close()
             self._recorder = None
         if not self._warned:
             self._warned = True
@@ -152,13 +152,9 @@ class MemoryLogger(HookCallback):
             return
         step = self.gate.end(trainer.global_step, force=True)
         assert step is not None
-        recorder.stop()
         self._recorder = None
-        if recorder.failure is not None:
-            self._give_up(recorder.failure)
-            return
         try:
-            memory = recorder.result(self._optimizers(trainer))
+            memory = recorder.finish(self._optimizers(trainer))
         except Exception as error:
             self._give_up(error)
             return

@@ -8,6 +8,7 @@ that activation checkpointing of that module would give back. :class:`MemoryReco
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,11 +16,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType, _WeakRefInfo
 from torch.distributed.fsdp import FSDPModule
-from torch.utils._pytree import tree_flatten
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from lightning_hooks.core.autograd import in_backward
 from lightning_hooks.core.handles import HookHandles
@@ -27,6 +30,8 @@ from lightning_hooks.core.select import label, type_label
 from lightning_hooks.core.shards import is_sharded, local
 
 __all__ = ["MemoryRecorder", "MemoryRow", "StepMemory", "record_step", "storage_bytes"]
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 FORWARD, BACKWARD, OPTIMIZER, OUTSIDE = "forward", "backward", "optimizer step", "training_step, outside any module"
 
@@ -81,20 +86,35 @@ def storage_bytes(tensors: Iterable[object]) -> int:
 
 class _Guarded(MemTracker):
     """A tracker that never fails the step: the first error of its own bookkeeping is kept in ``failure`` and from
-    then on it only runs the operations (an error of an operation itself still raises)."""
+    then on it only runs the operations (an error of an operation itself still raises).
 
-    failure: BaseException | None = None
-    _by_name: dict[str, list[Any]] = {}  # replaced by an instance attribute at first use
+    Its work after each operation is torch's, done with less Python: the outputs' storages are looked up without a
+    pytree map, and the running modules' peaks are only revisited when the step's memory passed the most it had since
+    a module last began or ended. What each kind of work cost: docs/performance.md, "MemoryLogger".
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.failure: BaseException | None = None
+        self._by_name: dict[str, list[Any]] = {}  # each module's stats, by its name
+        self._indexed = 0  # how many of ``memory_tracking`` are in ``_by_name``
+        self._high: tuple[Any, dict[torch.device, int]] = (None, {})  # the peak state, the most seen since, by device
 
     def _guard(self, hook: Callable[..., None], *args: Any) -> None:
+        self._high = (None, {})  # a module began or ended: its peak starts again
         if self.failure is None:
             try:
                 hook(*args)
             except Exception as error:
                 self.failure = error
 
-    def _pre_fw_hook(self, *args: Any) -> None:
-        self._guard(super()._pre_fw_hook, *args)
+    def _pre_fw_hook(self, module: nn.Module, *args: Any) -> None:
+        new = module not in self.memory_tracking
+        self._guard(super()._pre_fw_hook, module, *args)
+        if new and module in self.memory_tracking:  # index it by name now, not by a walk over every module later
+            stats = self.memory_tracking[module]
+            self._by_name.setdefault(stats.mod_fqn, []).append(stats)
+            self._indexed += 1
 
     def _post_fw_hook(self, *args: Any) -> None:
         self._guard(super()._post_fw_hook, *args)
@@ -111,15 +131,36 @@ class _Guarded(MemTracker):
     def _update_peak_stats(self, *args: Any) -> None:
         self._guard(self._update_running_peaks, *args)
 
+    def get_tracker_snapshot(self, type: str = "current") -> dict[torch.device, dict[str, int]]:
+        if type == "current":  # what torch's deepcopy of ints in dicts in a dict makes, with less Python
+            return {device: dict(snap) for device, snap in self._curr_mem_snap.items()}
+        return super().get_tracker_snapshot(type)
+
+    def _track_plain(self, reftype: Any, t: torch.Tensor) -> None:
+        """torch's ``_track`` for a tensor with one storage of its own (not a wrapper subclass)."""
+        storage = t.untyped_storage()
+        found = self._WINFO.get(storage)
+        if found is None:
+            winfo, ref = _WeakRefInfo.create_winfo(storage, t.device, reftype, self._delete_callback)
+            self._WINFO[storage] = (winfo, ref)
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)
+        elif found[0].size != storage.size():
+            MemTracker._track(self, reftype, t)
+
     def _update_running_peaks(self, peak_state: Any) -> None:
         """What torch's ``_update_peak_stats`` does after every operation, over the modules running now instead of
         every module seen so far: the same peaks, at a cost per operation that grows with the model's depth rather
         than its size (torch's loop made a 24-layer encoder's recorded step 90 times a plain one)."""
-        if len(self._by_name) != len(self.memory_tracking):
-            self._by_name = {}
+        current = self._curr_mem_snap  # per device, kinds to ints: a shallow copy (torch deep-copies) is a full one
+        state, high = self._high
+        if state is peak_state and all(snap[_TOTAL] <= high.get(device, -1) for device, snap in current.items()):
+            return  # no module's peak can have moved since the last look
+        self._high = (peak_state, {device: snap[_TOTAL] for device, snap in current.items()})
+        if self._indexed != len(self.memory_tracking):  # modules FSDPMemTracker found in its own hooks
+            self._by_name, self._indexed = {}, len(self.memory_tracking)
             for stats in self.memory_tracking.values():
                 self._by_name.setdefault(stats.mod_fqn, []).append(stats)
-        current = self._curr_mem_snap  # per device, kinds to ints: a shallow copy (torch deep-copies) is a full one
         for name in self._mod_tracker.parents:
             for stats in self._by_name.get(name, ()):
                 if peak_state in stats.snapshots:
@@ -133,9 +174,31 @@ class _Guarded(MemTracker):
                 self._peak_mem_snap[device] = dict(snap)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # torch's MemTracker.__torch_dispatch__, with the same decisions, without a pytree map and a partial per call.
+        if DTensor in types:
+            return NotImplemented  # DTensor runs first and comes back with its local tensors
         if self.failure is not None:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _WAIT_TENSOR:
+            return super().__torch_dispatch__(func, types, args, kwargs)  # torch's own case for fake collectives
+        out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return out  # DTensor's sharding propagation, not memory of the step
+        try:
+            backward = self._mod_tracker.is_bw
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            else:
+                reftype = _MemRefType.TEMP if backward and not self._in_ac else _MemRefType.ACT
+            for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+                if type(t) is torch.Tensor or type(t) is nn.Parameter:
+                    self._track_plain(reftype, t)
+                elif isinstance(t, torch.Tensor):
+                    MemTracker._track(self, reftype, t)
+            self._update_running_peaks(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
+        except Exception as error:
+            self.failure = error
+        return out
 
     def track(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], tensors: list[torch.Tensor]) -> None:
         """Count what exists before the step: the model, the optimizers' state, the batch's ``tensors``."""
@@ -144,6 +207,11 @@ class _Guarded(MemTracker):
 
 class _FSDPGuarded(_Guarded, FSDPMemTracker):
     """:class:`_Guarded` for a model sharded with FSDP2, which knows its own parameters and gradients."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self.failure is not None:
+            return func(*args, **(kwargs or {}))
+        return FSDPMemTracker.__torch_dispatch__(self, func, types, args, kwargs)
 
     def track(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], tensors: list[torch.Tensor]) -> None:
         # The optimizer is not handed to FSDPMemTracker, whose step hooks would count the closure (forward and
@@ -228,6 +296,7 @@ class MemoryRecorder:
         self.saved = _SavedBy(skip)
         self._saving: Any = None
         self._batch: Any = ()
+        self._collector: bool | None = None  # whether Python's cyclic collector ran before start paused it
 
     @property
     def failure(self) -> BaseException | None:
@@ -235,7 +304,15 @@ class MemoryRecorder:
 
     def start(self, optimizers: list[torch.optim.Optimizer], batch: Any = None) -> None:
         """Enter a fresh tracker that knows the model, ``optimizers`` and the tensors of ``batch``; hook the
-        selected modules (once)."""
+        selected modules (once).
+
+        Python's cyclic collector waits until :meth:`close`: the tracker makes tens of thousands of objects, enough to
+        set off a collection of the whole heap in the middle of the step (a quarter of the recorded step on a 24-layer
+        encoder); :meth:`close` collects what the step left, and only that.
+        """
+        if self._collector is None:
+            self._collector = gc.isenabled()
+            gc.disable()
         tracker = self.tracker = _tracker(self.model)
         self._batch = batch = self._batch if batch is None else batch
         tracker.track(self.model, optimizers, [t for t in tree_flatten(batch)[0] if torch.is_tensor(t)])
@@ -272,6 +349,31 @@ class MemoryRecorder:
         if self.tracker is not None and self._entered:
             self._entered = False
             self.tracker.__exit__(None, None, None)
+
+    def finish(self, optimizers: list[torch.optim.Optimizer]) -> StepMemory:
+        """:meth:`stop`, :meth:`result` and :meth:`close`; raises the tracker's own failure if it had one."""
+        try:
+            self.stop()
+            if self.failure is not None:
+                raise self.failure
+            return self.result(optimizers)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """:meth:`stop`, then let the tracker go: its objects, cycles among them, are collected before the
+        collector runs again as it did; safe to call more than once. :meth:`result` can no longer be read."""
+        self.stop()
+        self.tracker = None
+        self._resume_collector(collect=True)
+
+    def _resume_collector(self, collect: bool) -> None:
+        if self._collector is not None:
+            collector, self._collector = self._collector, None
+            if collect:
+                gc.collect(0)  # the youngest generation: everything made since start, and nothing older
+            if collector:
+                gc.enable()
 
     def _device_snapshot(self, kind: str) -> dict[str, int]:
         assert self.tracker is not None
@@ -346,3 +448,4 @@ def record_step(
         yield recorder
     finally:
         recorder.stop()
+        recorder._resume_collector(collect=False)  # the tracker stays for result()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import torch.optim.optimizer as optimizer_hooks
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -209,12 +211,21 @@ def test_logs_the_table_and_scalars_at_the_step(tmp_path: Path, capsys: pytest.C
     assert scalars(tmp_path, "memory/activations_bytes")[2] >= logger.rows[0].activations > 0
 
 
+def trackers_alive() -> int:
+    return sum(isinstance(o, MemTracker) for o in gc.get_objects())
+
+
 def test_hooks_only_on_the_recorded_step_and_none_after(tmp_path: Path) -> None:
     pl_module = model("called-twice")
     before = hook_state(pl_module)
-    during = Probe("on_before_backward", lambda trainer, m, loss: (trainer.global_step, hook_state(m)))
-    make_trainer(tmp_path, [MemoryLogger(at_step=1), during], logger=False, max_steps=3).fit(pl_module)
-    assert [step for step, state in during.seen if state != before] == [1]
+    during = Probe("on_before_backward", lambda trainer, m, loss: (trainer.global_step, hook_state(m), gc.isenabled()))
+    after = Probe("on_train_batch_start", lambda trainer, *args: (trainer.global_step, trackers_alive()))
+    make_trainer(tmp_path, [MemoryLogger(at_step=1), during, after], logger=False, max_steps=3).fit(pl_module)
+    assert [step for step, state, _ in during.seen if state != before] == [1]
+    # Python's collector waits during the recorded step only, and the tracker's cycles are collected as it ends.
+    assert [step for step, _, collecting in during.seen if not collecting] == [1]
+    assert gc.isenabled()
+    assert after.seen == [(0, 0), (1, 1), (2, 0)]  # the recorded step's own tracker, entered just before
     assert hook_state(pl_module) == before
     assert not optimizer_hooks._global_optimizer_pre_hooks
     assert not optimizer_hooks._global_optimizer_post_hooks
@@ -236,6 +247,16 @@ def test_hooks_go_when_the_recorded_step_raises(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="planned failure in backward"):
         make_trainer(tmp_path, [MemoryLogger(at_step=0), Fails()], logger=False, max_steps=3).fit(TinyNet())
     assert torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    assert gc.isenabled()
+
+
+def test_a_collector_turned_off_by_the_user_stays_off(tmp_path: Path) -> None:
+    gc.disable()
+    try:
+        make_trainer(tmp_path, [MemoryLogger(at_step=1)], logger=False, max_steps=3).fit(TinyNet())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 class TwoViews(TinyNet):
@@ -255,6 +276,45 @@ def test_a_tracker_failure_warns_once_and_training_goes_on(tmp_path: Path) -> No
     assert sum("MemoryLogger` could not record" in str(w.message) for w in seen) == 1
     assert trainer.global_step == 4
     assert logger.rows == []
+
+
+def tracked_step(tracker_type: type[MemTracker], kind: str) -> tuple[Any, ...]:
+    """One training step of ``model(kind)``'s network under a fresh ``tracker_type``, after a step that made the
+    optimizer's state: the step's peak and current snapshots and every module's snapshots, by name and state."""
+    fit = model(kind)
+    net, optimizer = fit.net if hasattr(fit, "net") else fit, torch.optim.Adam(fit.parameters(), lr=1e-3)
+    x = fit.x[:8] if hasattr(fit, "x") else torch.randn(8, 32)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        net(x).square().mean().backward()
+        optimizer.step()
+
+    step()
+    tracker = tracker_type()
+    tracker.track_external(net, optimizer, x)
+    gc.disable()  # a storage freed by a collection frees at a moment of its own: the same for both trackers
+    try:
+        with tracker:
+            step()
+    finally:
+        gc.enable()
+    modules = {
+        stats.mod_fqn: {str(state): calls for state, calls in stats.snapshots.items()}
+        for stats in tracker.memory_tracking.values()
+    }
+    return tracker.get_tracker_snapshot("peak"), tracker.get_tracker_snapshot(), modules
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer", "lstm", "called-twice"])
+def test_the_recorders_tracker_sees_what_torchs_own_sees(kind: str) -> None:
+    # MemoryLogger's tracker does torch's bookkeeping with less Python after each operation; torch's MemTracker, run
+    # on the same step, is the reference, snapshot for snapshot (every module, every state, every call).
+    from lightning_hooks.recorders.memory import _Guarded
+
+    want = tracked_step(MemTracker, kind)
+    assert want[2]  # modules were tracked
+    assert tracked_step(_Guarded, kind) == want
 
 
 def test_the_tracker_methods_the_guard_wraps_still_exist_in_torch() -> None:
