@@ -280,7 +280,8 @@ def test_a_tracker_failure_warns_once_and_training_goes_on(tmp_path: Path) -> No
 
 def tracked_step(tracker_type: type[MemTracker], kind: str) -> tuple[Any, ...]:
     """One training step of ``model(kind)``'s network under a fresh ``tracker_type``, after a step that made the
-    optimizer's state: the step's peak and current snapshots and every module's snapshots, by name and state."""
+    optimizer's state: the step's peak and current snapshots, and every module's snapshots (by name and state) and
+    bytes of parameters, buffers, inputs and outputs."""
     fit = model(kind)
     net, optimizer = fit.net if hasattr(fit, "net") else fit, torch.optim.Adam(fit.parameters(), lr=1e-3)
     x = fit.x[:8] if hasattr(fit, "x") else torch.randn(8, 32)
@@ -300,7 +301,10 @@ def tracked_step(tracker_type: type[MemTracker], kind: str) -> tuple[Any, ...]:
     finally:
         gc.enable()
     modules = {
-        stats.mod_fqn: {str(state): calls for state, calls in stats.snapshots.items()}
+        stats.mod_fqn: (
+            {str(state): calls for state, calls in stats.snapshots.items()},
+            [getattr(stats, f"{kind}_mem") for kind in ("parameter", "buffer", "input", "output")],
+        )
         for stats in tracker.memory_tracking.values()
     }
     return tracker.get_tracker_snapshot("peak"), tracker.get_tracker_snapshot(), modules
