@@ -8,8 +8,10 @@ each step is timed from its ``on_train_batch_start`` to its ``on_train_batch_end
 recorded step over the median of the same fit's other steps after warm-up (the steps without hooks),
 and, for the fit without the callback, its median step against the recorded fit's quiet steps.
 
-The floor: one more fit runs step ``K`` under an empty ``TorchDispatchMode`` (each operator handed straight back to
-torch). Any tracker that sees every operator from Python, as torch's ``MemTracker`` does, costs at least that.
+The floors: one more fit runs step ``K`` under an empty ``TorchDispatchMode`` (each operator handed straight back to
+torch), and one under that mode and torch's ``ModTracker`` (which ``MemTracker`` uses to know the running modules),
+doing nothing with what they see. Any tracker that sees every operator from Python costs at least the first; torch's
+``MemTracker``, built on both, at least the second.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,26 +54,30 @@ class Passthrough(TorchDispatchMode):
 
 
 class EmptyMode(pl.Callback):
-    """Runs step ``at_step`` under :class:`Passthrough`, from its batch start to its batch end."""
+    """Runs step ``at_step`` under :class:`Passthrough` (and torch's ``ModTracker`` with ``modules``), from its batch
+    start to its batch end."""
 
-    def __init__(self, at_step: int) -> None:
-        self.at_step, self.mode = at_step, Passthrough()
+    def __init__(self, at_step: int, modules: bool) -> None:
+        self.at_step = at_step
+        self.contexts: list[Any] = [ModTracker(), Passthrough()] if modules else [Passthrough()]
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.at_step:
-            self.mode.__enter__()
+            for context in self.contexts:
+                context.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step - 1 == self.at_step:
-            self.mode.__exit__(None, None, None)
+            for context in reversed(self.contexts):
+                context.__exit__(None, None, None)
 
 
-def fit(args: argparse.Namespace, at_step: int | None, floor: bool = False) -> dict[int, float]:
+def fit(args: argparse.Namespace, at_step: int | None, floor: str = "") -> dict[int, float]:
     torch.manual_seed(0)
     timer = StepTimer()
     callbacks: list[pl.Callback] = []
     if at_step is not None:
-        callbacks.append(EmptyMode(at_step) if floor else MemoryLogger(at_step=at_step))
+        callbacks.append(EmptyMode(at_step, floor == "modules") if floor else MemoryLogger(at_step=at_step))
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(
             default_root_dir=root,
@@ -100,9 +107,10 @@ def main() -> None:
     print(f"EncoderLM(layers={args.layers}), batch {args.batch}x{args.seq_len}, CPU, {torch.get_num_threads()} threads")
     print(f"fit without MemoryLogger: median step {1000 * quiet_plain:.1f} ms")
     first = args.at[0]
-    times = fit(args, first, floor=True)
-    quiet = statistics.median(t for s, t in times.items() if s >= 2 and s != first)
-    print(f"an empty dispatch mode at step {first}: {1000 * times[first]:.1f} ms = {times[first] / quiet:.2f}x")
+    for floor, what in [("dispatch", "an empty dispatch mode"), ("modules", "that and torch's ModTracker")]:
+        times = fit(args, first, floor=floor)
+        quiet = statistics.median(t for s, t in times.items() if s >= 2 and s != first)
+        print(f"{what} at step {first}: {1000 * times[first]:.1f} ms = {times[first] / quiet:.2f}x")
     for at in args.at:
         times = fit(args, at)
         quiet = statistics.median(t for s, t in times.items() if s >= 2 and s != at)
