@@ -100,9 +100,9 @@ class Settles(Protocol):
 class _Entry:
     """A region's entry point during a fit: its compiled function, then each :class:`Settles` settled."""
 
-    def __init__(self, compiled: Callable[..., Any], pendings: list[Settles]) -> None:
+    def __init__(self, compiled: Callable[..., Any], pendings: list[Settles], wrapped: Callable[..., Any]) -> None:
         self.compiled, self.pendings = compiled, pendings
-        self.__wrapped__ = getattr(compiled, "__wrapped__", compiled)  # what Lightning's `is_overridden` reads
+        self.__wrapped__ = wrapped  # what Lightning's `is_overridden` reads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -141,14 +141,16 @@ class Region:
         if is_compile_wrapper(owner):
             attr = "_forward" if "_forward" in owner.__dict__ else "forward"  # lazy modules check first
             self._saved = {attr: owner.__dict__[attr]}
-            setattr(owner, attr, _Entry(owner.dynamo_ctx(_fresh_call(module)), self.pendings))  # type: ignore[operator]
+            call = _switched(module, self.switch)
+            setattr(owner, attr, _Entry(owner.dynamo_ctx(call), self.pendings, call))  # type: ignore[operator]
             return
         ctx: dict[str, Any] = owner.__dict__["_compiler_ctx"]
         for method in _STEP_METHODS:
             original = ctx.get(f"original_{method}")
             if original is not None and method in owner.__dict__:
                 self._saved[method] = owner.__dict__[method]
-                setattr(owner, method, _Entry(ctx["dynamo_ctx"](_fresh(original)), self.pendings))
+                compiled = ctx["dynamo_ctx"](_switched(original, self.switch))
+                setattr(owner, method, _Entry(compiled, self.pendings, _fresh(original)))
 
     def leave(self) -> None:
         self.users = max(self.users - 1, 0)
@@ -218,9 +220,19 @@ class Regions:
             region.switch.vote(voter, on)
 
 
-def _fresh_call(module: nn.Module) -> types.FunctionType:
+def _switched(func: Callable[..., Any], switch: Switch) -> types.FunctionType:
+    """``func`` behind a test of ``switch``, in code of its own (see :func:`_fresh`).
+
+    The test puts a guard on the switch into every graph of the region. The hooks' own reads of it do that too,
+    unless they run inside activation checkpointing. There a recording hook's side effect breaks the graph while the
+    switch is on, and dynamo falls back to calling the region eagerly, with no guard. Without the test the quiet
+    steps would then reuse that fallback for the rest of the fit.
+    """
+
     def compiled_region(*args: Any, **kwargs: Any) -> Any:
-        return module(*args, **kwargs)
+        if switch.on:
+            return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
     return _fresh(compiled_region)
 

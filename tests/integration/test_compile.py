@@ -319,6 +319,40 @@ class Checkpointed(nn.Module):
         return out
 
 
+def test_a_region_with_activation_checkpointing_runs_its_quiet_steps_compiled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A recording hook's side effect inside checkpointing breaks the graph, and dynamo falls back to calling the region
+    # eagerly. That fallback served every later step (no graph at all in the fit) until the region's entry tested its
+    # switch: now the quiet steps get a graph of their own.
+    def printed(compiled: bool) -> tuple[list[str], Run]:
+        torch._dynamo.reset()
+        model = CompiledBody(compiled=compiled)
+        model.body = torch.compile(Checkpointed()) if compiled else Checkpointed()
+        run = fit(tmp_path / str(compiled), model, [ShapeLogger()], max_steps=4, logger=False)
+        return capsys.readouterr().out.split("ShapeLogger: ")[1:], run
+
+    eager, _ = printed(False)
+    compiled, run = printed(True)
+    assert compiled == eager
+    assert run.graphs == 1  # the quiet one
+
+
+def test_statistics_in_a_region_with_activation_checkpointing_are_eagers(tmp_path: Path) -> None:
+    def logged(compiled: bool) -> dict[str, dict[int, float]]:
+        torch._dynamo.reset()
+        model = CompiledBody(compiled=compiled)
+        model.body = torch.compile(Checkpointed()) if compiled else Checkpointed()
+        fit(tmp_path / str(compiled), model, statistics(), max_steps=4)
+        tags = ["act_mean/body.inner.fc1", "act_zero_frac/body.inner.act", "out_grad_norm/body.inner.fc1"]
+        return {tag: scalars(tmp_path / str(compiled), tag) for tag in [*tags, "grad_norm/body.inner.fc1.weight"]}
+
+    want, got = logged(False), logged(True)
+    assert [sorted(steps) for steps in want.values()] == [[0, 2]] * 4
+    for tag, steps in want.items():
+        assert got[tag] == pytest.approx(steps, rel=1e-5, abs=1e-7), tag
+
+
 def test_shape_logger_in_a_region_run_eagerly_leaves_out_checkpointing_recompute(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
