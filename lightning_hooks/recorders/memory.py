@@ -84,6 +84,16 @@ def storage_bytes(tensors: Iterable[object]) -> int:
     return sum(seen.values())
 
 
+class _NoHook:
+    """What :meth:`_Guarded.skip_frozen` puts in place of a gradient hook's handle: nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class _Guarded(MemTracker):
     """A tracker that never fails the step: the first error of its own bookkeeping is kept in ``failure`` and from
     then on it only runs the operations (an error of an operation itself still raises).
@@ -202,7 +212,19 @@ class _Guarded(MemTracker):
 
     def track(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], tensors: list[torch.Tensor]) -> None:
         """Count what exists before the step: the model, the optimizers' state, the batch's ``tensors``."""
+        self.skip_frozen(model)
         self.track_external(model, *optimizers, *tensors)
+
+    def skip_frozen(self, model: nn.Module) -> None:
+        """Give each frozen parameter of ``model`` an entry among torch's gradient hooks that hooks nothing.
+
+        torch's tracker registers a gradient hook on every parameter of a module as the module first runs, and
+        ``register_hook`` raises on a parameter that does not require a gradient: a frozen backbone, LoRA's base
+        weights, Whisper's positional embeddings. The tracker skips a parameter that already has an entry.
+        """
+        for param in model.parameters():
+            if not param.requires_grad:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
 
 
 class _FSDPGuarded(_Guarded, FSDPMemTracker):
@@ -214,6 +236,7 @@ class _FSDPGuarded(_Guarded, FSDPMemTracker):
         return FSDPMemTracker.__torch_dispatch__(self, func, types, args, kwargs)
 
     def track(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], tensors: list[torch.Tensor]) -> None:
+        self.skip_frozen(model)
         # The optimizer is not handed to FSDPMemTracker, whose step hooks would count the closure (forward and
         # backward) as optimizer state; its state is counted as existing memory, as the batch is.
         states = [v for opt in optimizers for state in opt.state.values() for v in state.values()]
