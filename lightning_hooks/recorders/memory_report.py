@@ -69,7 +69,8 @@ def advice(memory: StepMemory, peaks: list[int]) -> str:
             f"{line}; activation checkpointing of `{blocks[0].pattern}` ({len(blocks[0].rows)} blocks) would free "
             f"about {mib(saving)} of the {mib(memory.peak)} peak"
         )
-    if memory.optimizer_state:
+    # Checkpointing would free less than the optimizer's state; with no blocks in the table, the larger of the two.
+    if memory.optimizer_state and (blocks or memory.optimizer_state >= memory.activations):
         share = 100 * memory.optimizer_state / memory.peak
         return f"{line}; optimizer state is {share:.0f} % of the peak (a sharded or 8-bit optimizer would cut it)"
     return f"{line}; activations kept for backward are {100 * memory.activations / memory.peak:.0f} % of the peak"

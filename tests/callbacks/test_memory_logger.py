@@ -270,6 +270,18 @@ def test_checkpointing_advice_is_what_checkpointing_frees(tmp_path: Path) -> Non
     assert estimate == pytest.approx(freed, rel=0.2), (estimate, freed, summaries)
 
 
+def test_the_advice_is_the_larger_lever(tmp_path: Path) -> None:
+    # LoRA trains its adapters only: their optimizer state is 2 % of the peak. With the blocks in the table the advice
+    # is to checkpoint them; without (max_depth=1) it names the activations, not a sharded optimizer.
+    summaries = []
+    for max_depth in (None, 1):
+        logger = MemoryLogger(max_depth=max_depth)
+        make_trainer(tmp_path / str(max_depth), [logger], logger=False, max_steps=2).fit(model("lora"))
+        summaries.append(logger.summary)
+    assert "activation checkpointing of `net.base_model.model.transformer.h.*` (2 blocks)" in summaries[0]
+    assert re.search(r"; activations kept for backward are \d+ % of the peak$", summaries[1]), summaries[1]
+
+
 def test_logs_the_table_and_scalars_at_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logger = MemoryLogger(at_step=2)
     make_trainer(tmp_path, [logger], max_steps=4).fit(model("called-twice"))
