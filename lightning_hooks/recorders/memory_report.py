@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from lightning_hooks.core.select import label
 from lightning_hooks.core.tables import markdown_table
-from lightning_hooks.recorders.memory import BACKWARD, OPTIMIZER, MemoryRow, StepMemory
+from lightning_hooks.recorders.memory import OPTIMIZER, MemoryRow, StepMemory
 from lightning_hooks.recorders.shapes import collapse_repeats
 
 __all__ = ["Blocks", "advice", "checkpoint_saving", "format_memory_table", "memory_table", "mib", "repeated_blocks"]
@@ -46,12 +46,12 @@ def repeated_blocks(rows: list[MemoryRow]) -> list[Blocks]:
 
 def checkpoint_saving(memory: StepMemory, blocks: Blocks) -> int:
     """Bytes that checkpointing every block of ``blocks`` would take off the peak: each block then keeps only its
-    input for backward, and backward recomputes one block at a time (the largest comes back while it runs)."""
+    input for backward, and backward recomputes one block at a time (the largest comes back while it runs, wherever
+    the peak was before)."""
     if memory.peak_at == OPTIMIZER:
         return 0  # the peak is in the optimizer's update, when no activation is left
     kept = sum(r.activations - min(memory.inputs.get(r.name, 0), r.activations) for r in blocks.rows)
-    back = max(r.activations for r in blocks.rows) if memory.peak_at.endswith(f"({BACKWARD})") else 0
-    return max(0, kept - back)
+    return max(0, kept - max(r.activations for r in blocks.rows))
 
 
 def advice(memory: StepMemory, peaks: list[int]) -> str:
