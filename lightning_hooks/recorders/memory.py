@@ -129,11 +129,15 @@ class _Guarded(MemTracker):
     def _post_fw_hook(self, *args: Any) -> None:
         self._guard(super()._post_fw_hook, *args)
 
-    def _pre_bw_hook(self, *args: Any) -> None:
-        self._guard(super()._pre_bw_hook, *args)
+    # A module made and dropped inside the forward (T5 makes its CrossEntropyLoss there) is gone when backward gets
+    # to it: torch's hooks would only warn, once per module and direction.
+    def _pre_bw_hook(self, module: nn.Module | None, *args: Any) -> None:
+        if module is not None:
+            self._guard(super()._pre_bw_hook, module, *args)
 
-    def _post_bw_hook(self, *args: Any) -> None:
-        self._guard(super()._post_bw_hook, *args)
+    def _post_bw_hook(self, module: nn.Module | None, *args: Any) -> None:
+        if module is not None:
+            self._guard(super()._post_bw_hook, module, *args)
 
     def _track(self, *args: Any) -> None:
         self._guard(super()._track, *args)

@@ -214,7 +214,8 @@ def test_rows_match_bytes_counted_independently(tmp_path: Path, kind: str) -> No
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer(tmp_path, [logger, batches], logger=False, max_steps=2).fit(pl_module)
-    assert not [w for w in caught if "could not record" in str(w.message)]  # frozen parameters broke torch's tracker
+    # Frozen parameters broke torch's tracker (Whisper, LoRA); T5's loss module, made in its forward, made it warn.
+    assert not [w for w in caught if re.search("could not record|Module is None", str(w.message))]
     optimizer = pl_module.trainer.optimizers[0]
     activations = saved_by_module(pl_module, batches.seen[1])
     assert logger.rows
