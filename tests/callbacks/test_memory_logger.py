@@ -23,6 +23,7 @@ from examples.transformer import TokenDataModule
 from lightning_hooks import MemoryLogger
 from lightning_hooks.cli import main
 from tests.support.helpers import CUDA, Probe, TinyNet, hook_state, make_trainer, scalars, texts
+from tests.support.pretrained import THIRD_PARTY, Pretrained, language_model_loss, third_party
 
 
 class Fit(pl.LightningModule):
@@ -71,73 +72,9 @@ class Pooled(nn.Module):
         return self.head(self.encoder(x).mean(1))
 
 
-class Pretrained(Fit):
-    """A transformers model (or a peft one) from a small config, trained on the loss ``loss(net, x)``."""
-
-    def __init__(self, net: nn.Module, x: torch.Tensor, loss: Any) -> None:
-        super().__init__(net, x)
-        self.loss = loss
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss: torch.Tensor = self.loss(self.net, batch[0])
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
-
-
-def language_model_loss(net: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return net(input_ids=tokens, labels=tokens).loss
-
-
-def third_party(kind: str) -> pl.LightningModule:
-    """A third-party architecture (transformers, peft), built from a small config with random weights."""
-    transformers = pytest.importorskip("transformers")
-    tokens = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(1))
-    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
-    gpt2 = {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 32}
-    if kind == "gpt2":
-        return Pretrained(transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)), tokens, language_model_loss)
-    if kind == "llama":
-        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, **heads))
-        return Pretrained(net, tokens, language_model_loss)
-    if kind == "mixtral":
-        config = transformers.MixtralConfig(**small, **heads, num_local_experts=4, num_experts_per_tok=2)
-        return Pretrained(transformers.MixtralForCausalLM(config), tokens, language_model_loss)
-    if kind == "t5":
-        config = transformers.T5Config(
-            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
-        )
-        return Pretrained(transformers.T5ForConditionalGeneration(config), tokens, language_model_loss)
-    if kind == "vit":
-        vit = {"image_size": 16, "patch_size": 4, "num_attention_heads": 2, "num_labels": 3}
-        config = transformers.ViTConfig(**vit, hidden_size=32, num_hidden_layers=2, intermediate_size=64)
-        images = torch.randn(32, 3, 16, 16)
-        return Pretrained(
-            transformers.ViTForImageClassification(config), images, lambda net, x: net(pixel_values=x).logits.sum()
-        )
-    if kind == "whisper":  # its positional embeddings are frozen
-        layers = {"encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2}
-        sizes = {"d_model": 32, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 8, "vocab_size": 64}
-        positions = {"max_source_positions": 8, "max_target_positions": 16, "pad_token_id": 0}
-        config = transformers.WhisperConfig(**layers, **sizes, **positions, decoder_start_token_id=1)
-
-        def speech(net: nn.Module, features: torch.Tensor) -> torch.Tensor:
-            decoder = torch.ones(len(features), 4, dtype=torch.long, device=features.device)
-            return net(input_features=features, decoder_input_ids=decoder).logits.square().mean()
-
-        return Pretrained(transformers.WhisperForConditionalGeneration(config), torch.randn(32, 8, 16), speech)
-    peft = pytest.importorskip("peft")  # LoRA: the base model frozen, adapters on attention
-    net = peft.get_peft_model(
-        transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)), peft.LoraConfig(r=4, target_modules=["c_attn"])
-    )
-    return Pretrained(net, tokens, language_model_loss)
-
-
 def model(kind: str) -> pl.LightningModule:
     torch.manual_seed(0)
-    if kind in ("gpt2", "llama", "mixtral", "t5", "vit", "whisper", "lora"):
+    if kind in THIRD_PARTY:
         return third_party(kind)
     if kind == "mlp":
         return Fit(

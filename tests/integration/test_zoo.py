@@ -18,6 +18,7 @@ from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label
 from lightning_hooks.recorders.shapes import format_markdown
 from tests.support.helpers import events, hook_state, make_trainer, scalars, texts
+from tests.support.pretrained import THIRD_PARTY, third_party
 from tests.support.zoo import ZOO, CheckpointNet, TransformerNet, ZooModule
 
 
@@ -67,6 +68,62 @@ def test_every_callback_on_every_model(tmp_path: Path, model_class: type[ZooModu
     with_grad = {n for n, p in initial.named_parameters() if p.grad is not None}
     logged = events(tmp_path).Tags()["scalars"]
     assert {t.split("/", 1)[1] for t in logged if t.startswith("grad_norm/")} == with_grad
+
+
+class Truth(pl.Callback):
+    """Independent values, in float64, of each step: every module's first floating-point output, its calls pooled
+    (sum and count), and every parameter's gradient norm when the optimizer is about to step."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[tuple[str, int], tuple[float, int]] = {}
+        self.grad_norms: dict[tuple[str, int], float] = {}
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        for name, module in pl_module.named_modules():
+            self.handles.append(module.register_forward_hook(self.note(name, trainer.global_step)))
+
+    def note(self, name: str, step: int) -> object:
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            found = [t for t in (output if isinstance(output, tuple) else (output,)) if torch.is_tensor(t)]
+            if found and found[0].is_floating_point():
+                t = found[0].detach().double()
+                total, count = self.outputs.get((name, step), (0.0, 0))
+                self.outputs[name, step] = (total + float(t.sum()), count + t.numel())
+
+        return hook
+
+    def on_train_batch_end(self, *args: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object) -> None:
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None:
+                self.grad_norms[name, trainer.global_step] = float(p.grad.double().norm())
+
+
+@pytest.mark.parametrize("kind", THIRD_PARTY)
+def test_third_party_statistics_equal_an_independent_computation(tmp_path: Path, kind: str) -> None:
+    # transformers' GPT-2, Llama, Mixtral, T5 (modules called several times), ViT, Whisper, and a peft LoRA GPT-2.
+    truth = Truth()
+    callbacks = [ActivationStats(log_every_n_steps=1), GradStats(log_every_n_steps=1), truth]
+    make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1).fit(third_party(kind))
+    logged = events(tmp_path)
+    compared = 0
+    for tag in logged.Tags()["scalars"]:
+        kind_, _, name = tag.partition("/")
+        for event in logged.Scalars(tag):
+            module, _, output = name.partition(".out.")
+            if kind_ == "act_mean" and output in ("", "0"):  # the module's tensor or the first of its tuple
+                total, count = truth.outputs[module, event.step]
+                assert event.value == pytest.approx(total / count, rel=1e-4, abs=1e-6), (tag, event.step)
+                compared += 1
+            elif kind_ == "grad_norm":
+                assert event.value == pytest.approx(truth.grad_norms[name, event.step], rel=1e-4), (tag, event.step)
+                compared += 1
+    assert compared > 40
 
 
 def named_tensors_of(model: ZooModule, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
