@@ -17,6 +17,7 @@ from torch import nn
 from lightning_hooks import NonFiniteError, NonFiniteGuard
 from lightning_hooks.callbacks.nonfinite_guard import SKIPPED_TAG, TEXT_TAG
 from tests.support.helpers import TinyNet, events, hook_state, make_trainer, scalars, texts
+from tests.support.pretrained import third_party
 from tests.support.zoo import ResNetish, ZooModule
 from tests.unit.test_finite_core import BadBackward, Log, NaNGrad
 
@@ -336,3 +337,37 @@ def test_the_model_pickles_while_the_eager_hooks_are_on(tmp_path: Path) -> None:
 def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         NonFiniteGuard(**kwargs)
+
+
+class NaNWeight(pl.Callback):
+    """Sets one value of ``module``'s weight to NaN as step ``at`` begins."""
+
+    def __init__(self, module: str, at: int) -> None:
+        self.module, self.at = module, at
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.get_submodule(self.module).weight.view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("kind", "module"),
+    [
+        ("gpt2", "net.transformer.h.1.mlp.c_fc"),
+        ("llama", "net.model.layers.1.mlp.up_proj"),
+        ("mixtral", "net.model.layers.0.self_attn.v_proj"),
+        ("t5", "net.encoder.block.1.layer.1.DenseReluDense.wo"),
+        ("vit", "net.vit.layers.1.attention.k_proj"),
+        ("whisper", "net.model.decoder.layers.0.fc1"),
+        ("lora", "net.base_model.model.transformer.h.0.mlp.c_proj"),
+    ],
+)
+def test_names_a_broken_layer_of_a_third_party_architecture(tmp_path: Path, kind: str, module: str) -> None:
+    # Attention masks full of -inf, caches, MoE routing, a frozen base under LoRA: only the broken layer is named.
+    with pytest.raises(NonFiniteError) as raised:
+        make_trainer(tmp_path, [NonFiniteGuard(), NaNWeight(module, at=2)], max_steps=4, logger=False).fit(
+            third_party(kind)
+        )
+    finding = raised.value.finding
+    assert (finding.module, finding.step, finding.phase) == (module, 2, "forward")
