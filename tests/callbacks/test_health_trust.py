@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import HealthFinding, HealthMonitor
 from tests.support.helpers import make_trainer
+from tests.support.pretrained import THIRD_PARTY, third_party
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,6 +115,14 @@ def mlp(*layers: nn.Module) -> nn.Sequential:
 def test_healthy_transformers_models_under_adamw_make_no_finding(tmp_path: Path, build: Callable[[], Fit]) -> None:
     pl.seed_everything(0, verbose=False)
     assert fit(tmp_path, build(), steps=60) == []
+
+
+@pytest.mark.parametrize("kind", THIRD_PARTY)
+def test_third_party_language_vision_and_speech_models_make_no_finding(tmp_path: Path, kind: str) -> None:
+    # transformers' GPT-2, Llama, Mixtral, T5, ViT, Whisper and a peft LoRA GPT-2, on random tokens, images and
+    # features under AdamW for 60 steps: healthy runs that no check was tuned on.
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, third_party(kind), steps=60) == []
 
 
 def test_lora_adapters_that_start_at_zero_are_not_told_to_lower_the_learning_rate(tmp_path: Path) -> None:
