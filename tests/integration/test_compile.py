@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard, ShapeLogger
 from lightning_hooks.recorders.gradients import _READERS
 from tests.support.helpers import CUDA, Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
+from tests.support.pretrained import third_party
 
 N = 48
 """Three full batches of 16: one input shape, so each variant of a region is compiled once."""
@@ -368,3 +369,23 @@ def test_shape_logger_in_a_region_run_eagerly_leaves_out_checkpointing_recompute
     assert len(eager) == 1  # one table: every step's calls are the same
     assert "body.inner.fc1" in eager[0]
     assert printed(True) == eager
+
+
+def test_a_compiled_llama_logs_what_the_eager_one_logs_in_two_graphs(tmp_path: Path) -> None:
+    # transformers' Llama (rotary embeddings, grouped-query attention, RMSNorm, SiLU-gated MLP) compiled whole: the
+    # statistics callbacks and ShapeLogger add the logging graph and no break.
+    tags = ["act_mean/net.model.layers.1.mlp.down_proj", "act_std/net.model.norm", "grad_norm/net.lm_head.weight"]
+    logged, runs = [], []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        pl_module = third_party("llama")
+        if compiled:
+            pl_module.net = torch.compile(pl_module.net)
+        callbacks = [*statistics(), ShapeLogger()]
+        runs.append(fit(tmp_path / str(compiled), pl_module, callbacks, max_steps=4))
+        logged.append({tag: scalars(tmp_path / str(compiled), tag) for tag in tags})
+    assert (runs[1].graphs, runs[1].breaks) == (2, 0)
+    for tag in tags:
+        assert sorted(logged[1][tag]) == [0, 2], tag
+        assert logged[1][tag] == pytest.approx(logged[0][tag], rel=1e-4, abs=1e-6), tag
