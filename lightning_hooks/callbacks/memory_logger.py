@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, note_recorded
 from lightning_hooks.core import validate as _validate
-from lightning_hooks.core.select import type_label
+from lightning_hooks.core.select import is_compile_wrapper, label, type_label
 from lightning_hooks.recorders.memory import MemoryRecorder, MemoryRow
 from lightning_hooks.recorders.memory_report import advice, format_memory_table, memory_table
 from lightning_hooks.sinks.sink import echo
@@ -85,6 +85,7 @@ class MemoryLogger(HookCallback):
         self._recorder: MemoryRecorder | None = None
         self._history = False
         self._warned = False
+        self._warned_compiled = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_recorder": None}  # a recording in progress stays with the original
@@ -92,6 +93,15 @@ class MemoryLogger(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""
+        wrapped = [label(n) for n, m in pl_module.named_modules() if is_compile_wrapper(m)]
+        if wrapped and not self._warned_compiled:
+            self._warned_compiled = True
+            rank_zero_warn(
+                f"`MemoryLogger`: torch's memory tracker does not follow the modules inside `torch.compile(module)` "
+                f"({', '.join(f'`{n}`' for n in wrapped[:3])}), so their rows show no peak or temporaries and the "
+                f"step's peak is placed outside them. Compiling the LightningModule instead, "
+                f"`trainer.fit(torch.compile(model))`, keeps every column."
+            )
         if self.snapshot_on_oom and trainer.strategy.root_device.type == "cuda":
             # Python stacks of allocations only; what recording costs a step: docs/performance.md, "On a GPU".
             torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=HISTORY_ENTRIES)
@@ -162,7 +172,7 @@ class MemoryLogger(HookCallback):
         peaks = trainer.strategy.all_gather(torch.tensor(float(memory.peak))) if trainer.world_size > 1 else None
         ranks = [int(p) for p in peaks.reshape(-1).tolist()] if peaks is not None else [memory.peak]
         self.summary = advice(memory, ranks)
-        note_recorded(trainer, "MemoryLogger", self._modules, {row.name for row in memory.rows if row.peak})
+        note_recorded(trainer, "MemoryLogger", self._modules, set(memory.inputs))  # each module whose forward ran
         header = f"{type_label(pl_module)} · step {step} · {self.summary}"
         echo(f"MemoryLogger: {header}\n{format_memory_table(memory.rows, self.collapse_repeats)}", trainer)
         with self._sink.gathered(trainer):

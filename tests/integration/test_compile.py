@@ -15,7 +15,15 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats, NonFiniteError, NonFiniteGuard, ShapeLogger
+from lightning_hooks import (
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    MemoryLogger,
+    NonFiniteError,
+    NonFiniteGuard,
+    ShapeLogger,
+)
 from lightning_hooks.recorders.gradients import _READERS
 from tests.support.helpers import CUDA, Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
 from tests.support.pretrained import third_party
@@ -389,3 +397,22 @@ def test_a_compiled_llama_logs_what_the_eager_one_logs_in_two_graphs(tmp_path: P
     for tag in tags:
         assert sorted(logged[1][tag]) == [0, 2], tag
         assert logged[1][tag] == pytest.approx(logged[0][tag], rel=1e-4, abs=1e-6), tag
+
+
+def test_memory_logger_says_what_it_cannot_see_inside_a_compiled_module(tmp_path: Path) -> None:
+    # torch's ModTracker ignores every module call inside an OptimizedModule (`_is_in_optimized_module()`), so the
+    # tracker has no peak for `body`'s layers. The saved tensors still name who keeps what; nothing is "never ran".
+    logger = MemoryLogger()
+    run = fit(tmp_path / "module", CompiledBody(), [logger], max_steps=3, logger=False)
+    said = [w for w in run.caught if "`MemoryLogger`: torch's memory tracker does not follow" in w]
+    assert len(said) == 1
+    assert "(`body`)" in said[0]
+    assert not [w for w in run.caught if "never ran" in w]
+    rows = {row.name: row for row in logger.rows}
+    assert rows["body.fc1"].activations > 0
+    assert rows["body.fc1"].peak == 0
+    # The LightningModule compiled instead: every column, and nothing to say.
+    whole = MemoryLogger()
+    run = fit(tmp_path / "whole", torch.compile(Whole()), [whole], max_steps=3, logger=False)
+    assert not [w for w in run.caught if "MemoryLogger" in w]
+    assert [row.name for row in whole.rows if row.peak == 0] == []
