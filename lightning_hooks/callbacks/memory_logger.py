@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, note_recorded
 from lightning_hooks.core import validate as _validate
+from lightning_hooks.core.compiled import has_compiled
 from lightning_hooks.core.select import is_compile_wrapper, label, type_label
 from lightning_hooks.recorders.memory import MemoryRecorder, MemoryRow
 from lightning_hooks.recorders.memory_report import advice, format_memory_table, memory_table
@@ -93,7 +94,7 @@ class MemoryLogger(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
         self.rows, self.peak, self.peak_at, self.summary = [], 0, "", ""
-        wrapped = [label(n) for n, m in pl_module.named_modules() if is_compile_wrapper(m)]
+        wrapped = [label(n) for n, m in pl_module.named_modules() if is_compile_wrapper(m) and has_compiled(m, modules)]
         if wrapped and not self._warned_compiled:
             self._warned_compiled = True
             rank_zero_warn(

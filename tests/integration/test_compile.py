@@ -411,6 +411,9 @@ def test_memory_logger_says_what_it_cannot_see_inside_a_compiled_module(tmp_path
     rows = {row.name: row for row in logger.rows}
     assert rows["body.fc1"].activations > 0
     assert rows["body.fc1"].peak == 0
+    # The compiled module left out of the table: nothing to say about it.
+    run = fit(tmp_path / "excluded", CompiledBody(), [MemoryLogger(exclude=["body*"])], max_steps=3, logger=False)
+    assert not [w for w in run.caught if "does not follow" in w]
     # The LightningModule compiled instead: every column, and nothing to say.
     whole = MemoryLogger()
     run = fit(tmp_path / "whole", torch.compile(Whole()), [whole], max_steps=3, logger=False)
