@@ -18,12 +18,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, ShapeLogger  # noqa: E402
-from tests.support.helpers import TinyNet, end_script  # noqa: E402
+from tests.support.helpers import EndingDDP, TinyNet, end_script  # noqa: E402
 
 
 class UnevenNet(TinyNet):
@@ -89,10 +90,16 @@ def main() -> None:
         else [ShapeLogger(), GradClamp(0.05), GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
     )
     pickle.dumps(callbacks)
+    # TinyNet has a layer that never runs.
+    strategy: str | DDPStrategy = (
+        EndingDDP(start_method="spawn", find_unused_parameters=True)
+        if args.strategy == "ddp_spawn"
+        else f"{args.strategy}_find_unused_parameters_true"
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=f"{args.strategy}_find_unused_parameters_true",  # TinyNet has a layer that never runs
+        strategy=strategy,
         max_steps=64 if args.health else 2,  # health: a window of 512 samples per unit on one rank alone
         logger=TensorBoardLogger(out, name="tb", version=0),
         callbacks=[*callbacks, check],

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -97,6 +99,8 @@ def make_trainer(
         "logger": TensorBoardLogger(tmp_path, name="tb", version=0) if logger is True else logger,
     }
     options.update(kwargs)
+    if options.get("strategy") in ("ddp_spawn", "ddp_fork"):
+        options["strategy"] = EndingDDP(start_method=options["strategy"].removeprefix("ddp_"))
     return pl.Trainer(callbacks=callbacks, **options)
 
 
@@ -181,3 +185,22 @@ def end_script() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _EndingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher for ``ddp_spawn`` and ``ddp_fork``, whose processes end as :func:`end_script` does once
+    the fit's results are handed back, instead of in the interpreter's shutdown (Lightning leaves their process
+    group up)."""
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(process_idx, *args, **kwargs)
+        end_script()
+
+
+class EndingDDP(DDPStrategy):
+    """``DDPStrategy(start_method=...)`` for ``spawn`` and ``fork``, with :class:`_EndingLauncher`: the strategy
+    the tests use for ``ddp_spawn`` and ``ddp_fork``, so that a finished rank cannot abort in gloo's shutdown."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        self._launcher = _EndingLauncher(self, start_method=self._start_method)
