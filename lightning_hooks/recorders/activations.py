@@ -92,8 +92,10 @@ class UnitRecorder:
     their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``). Each floating-point output is one vector
     under ``("units", <layer>[.out.<path>])``, pooled by ``+`` over calls, micro-batches and (fetched ``across``)
     processes; ``samples`` counts the values each unit of a key saw here since :meth:`start`, ``order`` the modules
-    as they first ran. Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their
-    bounds; a softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``.
+    as they first ran. A module that also runs on outputs of another width (SegFormer applies one dropout after two
+    layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
+    Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
+    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``.
 
     Example::
 
@@ -115,12 +117,14 @@ class UnitRecorder:
         self.per_unit: set[tuple[str, str]] = set()
         """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
         self.order: dict[str, None] = {}
+        self.widths: dict[tuple[str, str], int] = {}
+        """The unit count of each per-unit key since :meth:`start`."""
         self.saturable: dict[str, int] = {}
         self.prepend = False
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
 
     def start(self) -> None:
-        self.samples, self.order, self.saturable = {}, {}, {}
+        self.samples, self.order, self.widths, self.saturable = {}, {}, {}, {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = []
@@ -156,6 +160,9 @@ class _UnitHook:
             squares = (x.float() if x.dtype in _WIDENED else x).square()
             if self.units and x.dim() >= 2:
                 dim = unit_dim(x, self.channels_first)
+                if recorder.widths.setdefault(key, x.shape[dim]) != x.shape[dim]:
+                    key = recorder.keys.eager(self.name, f"{path}[{x.shape[dim]}]")
+                    recorder.widths[key] = x.shape[dim]
                 recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
                 recorder.per_unit.add(key)
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)

@@ -162,6 +162,27 @@ def test_float16_outputs_are_counted_without_overflow(tmp_path: Path) -> None:
     assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.2",), 0.5)]
 
 
+class SharedReLU(torch.nn.Sequential):
+    """One ReLU module (``1``) after two layers of different widths, as SegFormer's MLP applies one dropout module
+    after both of its layers; the first layer's 64 units are all dead."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8), torch.nn.Linear(8, 4))
+        with torch.no_grad():
+            self[0].bias.fill_(-10.0)
+            self[2].bias.fill_(1.0)  # the second layer's units live on its bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, act, second, head = self
+        return head(act(second(act(first(x)))))
+
+
+def test_a_module_run_on_two_widths_is_judged_on_its_first(tmp_path: Path) -> None:
+    # Before: the second width's unit sums were added to the first's, and the fit died of a size mismatch.
+    monitor, _ = fit(tmp_path, lambda: planted.Planted(SharedReLU()), steps=6)
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.1",), 1.0)]
+
+
 def test_checks_not_asked_for_are_not_run(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, planted.dead_relu, steps=16, checks=["vanishing_gradients"])
     assert monitor.findings == []
