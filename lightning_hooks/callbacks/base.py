@@ -100,16 +100,28 @@ def note_recorded(trainer: pl.Trainer, owner: str, selected: list[tuple[str, nn.
 
 
 def report_silent_modules(trainer: pl.Trainer) -> None:
-    """When training ends, once for all callbacks: warn about the selected modules that ran in no recorded step
-    (containers without a forward, and a LightningModule whose ``forward`` is Lightning's pass-through, excepted)."""
+    """When training ends, once for all callbacks: warn about the selected modules with parameters that ran in no
+    recorded step, nor any module inside them, nor a module that holds all their parameters.
+
+    Excepted, because nothing the user trains goes unseen: a module without parameters (transformers' attention
+    dropout, which the attention kernel applies), a container whose parent calls its children (OPT's decoder,
+    called past its model; a ``Sequential`` iterated), a module whose weights another module uses (tied embeddings),
+    a container without a forward, a LightningModule whose ``forward`` is Lightning's pass-through.
+    """
     recorded = _RECORDED.pop(trainer, None)
     if recorded is None:
         return
-    silent = [
-        name
-        for name, m in recorded.selected.items()
-        if name not in recorded.fired and type(m).forward not in (nn.Module.forward, LightningModule.forward)
-    ]
+    ran = {id(recorded.selected[name]) for name in recorded.fired if name in recorded.selected}
+    used = {id(p) for m in recorded.selected.values() if id(m) in ran for p in m.parameters(recurse=False)}
+
+    def unseen(m: nn.Module) -> bool:
+        return (
+            type(m).forward not in (nn.Module.forward, LightningModule.forward)
+            and not {id(p) for p in m.parameters()} <= used
+            and not any(id(inner) in ran for inner in m.modules())
+        )
+
+    silent = [name for name, m in recorded.selected.items() if unseen(m)]
     if not silent:
         return
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")

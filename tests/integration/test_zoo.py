@@ -189,6 +189,44 @@ def test_never_ran_is_judged_over_the_whole_fit_once_for_every_callback(tmp_path
     assert "nothing to show for them: spare." in never[0]
 
 
+class Decoder(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed, self.layers = embed, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.dropout = nn.Dropout(0.1)  # applied by the attention kernel, never called
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).mean(1)
+        for layer in self.layers:  # a Sequential iterated, never called
+            x = torch.relu(layer(x))
+        return x
+
+
+class Bypassed(ZooModule):
+    """What transformers models do: the decoder called past ``model`` (OPT), a ``Sequential`` iterated (ResNet), an
+    embedding whose weight a module that runs also holds (BART's ``shared``), an attention dropout never called (BERT
+    under SDPA). Nothing here goes unseen but ``unused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = torch.randint(0, 10, (32, 5), generator=torch.Generator().manual_seed(0))
+        self.shared = nn.Embedding(10, 4)
+        self.model = nn.Sequential()  # a model whose own forward its owner skips
+        self.model.decoder = Decoder(nn.Embedding(10, 4))
+        self.model.decoder.embed.weight = self.shared.weight
+        self.head, self.unused = nn.Linear(4, 3), nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model.decoder(tokens))
+
+
+def test_modules_that_never_ran_but_whose_work_is_seen_are_not_named(tmp_path: Path) -> None:
+    never = [m for m in fit(Bypassed(), tmp_path) if "never ran" in m]
+    assert len(never) == 1, never
+    assert "1 selected module(s)" in never[0]  # before: model, model.decoder.layers, model.decoder.dropout, shared too
+    assert "nothing to show for them: unused." in never[0]
+
+
 class StackNet(ZooModule):
     """Blocks kept in an ``nn.ModuleList`` and ``nn.ModuleDict``, which are iterated, never called."""
 
