@@ -382,7 +382,6 @@ def test_shape_logger_in_a_region_run_eagerly_leaves_out_checkpointing_recompute
 def test_a_compiled_llama_logs_what_the_eager_one_logs_in_two_graphs(tmp_path: Path) -> None:
     # transformers' Llama (rotary embeddings, grouped-query attention, RMSNorm, SiLU-gated MLP) compiled whole: the
     # statistics callbacks and ShapeLogger add the logging graph and no break.
-    tags = ["act_mean/net.model.layers.1.mlp.down_proj", "act_std/net.model.norm", "grad_norm/net.lm_head.weight"]
     logged, runs = [], []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -392,11 +391,24 @@ def test_a_compiled_llama_logs_what_the_eager_one_logs_in_two_graphs(tmp_path: P
             pl_module.net = torch.compile(pl_module.net)
         callbacks = [*statistics(), ShapeLogger()]
         runs.append(fit(tmp_path / str(compiled), pl_module, callbacks, max_steps=4))
-        logged.append({tag: scalars(tmp_path / str(compiled), tag) for tag in tags})
+        accumulator = events(tmp_path / str(compiled))
+        logged.append({t: {e.step: e.value for e in accumulator.Scalars(t)} for t in accumulator.Tags()["scalars"]})
     assert (runs[1].graphs, runs[1].breaks) == (2, 0)
-    for tag in tags:
-        assert sorted(logged[1][tag]) == [0, 2], tag
-        assert logged[1][tag] == pytest.approx(logged[0][tag], rel=1e-4, abs=1e-6), tag
+    # Every tag but the output gradients of the modules that return transformers' ModelOutput (`net`, `net.model`):
+    # inside a region an output's gradient is read through an identity on the returned tensor, which would give 0
+    # for `net`'s logits, consumed by the loss inside `net` (eager reads dL/dlogits). Left out rather than wrong.
+    missing = set(logged[0]) - set(logged[1])
+    assert {tag.split("/", 1)[1] for tag in missing} == {
+        "net.out.loss",
+        "net.out.logits",
+        "net.model.out.last_hidden_state",
+    }
+    assert all(tag.startswith("out_grad_") for tag in missing)
+    assert set(logged[1]) <= set(logged[0])
+    for tag, values in logged[0].items():
+        if tag not in missing and "zero_frac" not in tag:  # a gradient of exactly zero in one and 1e-10 in the other
+            assert sorted(values) == [0, 2], tag
+            assert logged[1][tag] == pytest.approx(values, rel=1e-4, abs=1e-6), tag
 
 
 def test_memory_logger_says_what_it_cannot_see_inside_a_compiled_module(tmp_path: Path) -> None:
