@@ -76,26 +76,33 @@ class _OutputGradHook:
         self.reader = _GradReader(recorder, recorder.keys.eager(name, ""))  # for a bare tensor output
         self.first = _OutputOf(self.reader, 0)
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor | None:
         if graph_task_id() != -1:  # activation checkpointing re-running forward (an eager hook: see in_backward)
-            return
+            return None
         self.recorder.fired.add(self.name)
         if not torch.is_grad_enabled():
-            return
+            return None
         if type(output) is torch.Tensor and not self.recorder.prepend:  # what most modules return
             if output.requires_grad and output.is_floating_point():
+                if args and output is args[0] and not getattr(module, "inplace", False):
+                    # A pass-through (`nn.Identity`, a ResNet's shortcut) returns the tensor its input's other users
+                    # share: its callers get a view, whose gradient is theirs alone (torch's backward hooks do so).
+                    view = output.view_as(output)
+                    view.grad_fn.register_prehook(self.first)
+                    return view
                 node = output.grad_fn
                 if node is not None and output.output_nr == 0:
                     node.register_prehook(self.first)
                 else:
                     _read_grad(output, self.reader)
-            return
+            return None
         recorder = self.recorder
         for path, tensor in named_tensors(output):
             if tensor.requires_grad and tensor.is_floating_point():
                 _read_grad(tensor, _GradReader(recorder, recorder.keys.key(self.name, path)))
                 if recorder.prepend:
                     recorder.batch.add(recorder.forward_keys.key(self.name, path), tensor)
+        return None
 
 
 def _read_grad(output: torch.Tensor, reader: _GradReader) -> None:

@@ -136,6 +136,36 @@ def test_output_gradients_of_a_node_with_two_outputs_and_of_a_returned_leaf(tmp_
     assert not [t for t in events(tmp_path).Tags()["scalars"] if t.startswith("out_grad_norm/halves.out.0")]
 
 
+class Shortcut(TinyNet):
+    """``fc2(h) + shortcut(h)`` with ``shortcut = nn.Identity()``, as in transformers' ResNet and many blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shortcut = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.head(self.act(self.fc2(h) + self.shortcut(h)))
+
+
+def test_the_output_gradient_of_a_pass_through_is_its_callers_alone(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Shortcut()
+    reference = copy.deepcopy(model)
+    make_trainer(tmp_path, [GradStats(include=["shortcut"])], max_steps=1).fit(model)
+    # torch's own module backward hook: the gradient with respect to what the shortcut returned.
+    seen: list[torch.Tensor] = []
+    reference.shortcut.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(grad_out[0]))
+    hidden: list[torch.Tensor] = []
+    reference.fc1.register_forward_hook(lambda m, a, out: hidden.append(out))
+    loss = F.cross_entropy(reference(reference.x[:16]), reference.y[:16])
+    (whole,) = torch.autograd.grad(loss, hidden, retain_graph=True)  # what `h` gets from the block too
+    loss.backward()
+    expected = float(torch.linalg.vector_norm(seen[0]))
+    assert scalars(tmp_path, "out_grad_norm/shortcut")[0] == pytest.approx(expected, rel=1e-5)
+    assert expected != pytest.approx(float(torch.linalg.vector_norm(whole)), rel=0.05)  # before, that was logged
+
+
 def test_inplace_relu_resnet_fits_and_reports_the_conv_output_gradient(tmp_path: Path) -> None:
     torch.manual_seed(0)
     inplace = ResNetish(inplace=True)
