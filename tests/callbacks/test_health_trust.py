@@ -119,8 +119,8 @@ def test_healthy_transformers_models_under_adamw_make_no_finding(tmp_path: Path,
 
 @pytest.mark.parametrize("kind", THIRD_PARTY)
 def test_third_party_language_vision_and_speech_models_make_no_finding(tmp_path: Path, kind: str) -> None:
-    # transformers' GPT-2, Llama, Mixtral, T5, ViT, Whisper and a peft LoRA GPT-2, on random tokens, images and
-    # features under AdamW for 60 steps: healthy runs that no check was tuned on.
+    # transformers' GPT-2, Llama, Mixtral, T5, ViT, Whisper, BERT, ResNet, SegFormer and a peft LoRA GPT-2, on
+    # random tokens, images and features under AdamW for 60 steps: healthy runs that no check was tuned on.
     pl.seed_everything(0, verbose=False)
     assert fit(tmp_path, third_party(kind), steps=60) == []
 

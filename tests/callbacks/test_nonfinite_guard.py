@@ -361,6 +361,9 @@ class NaNWeight(pl.Callback):
         ("vit", "net.vit.layers.1.attention.k_proj"),
         ("whisper", "net.model.decoder.layers.0.fc1"),
         ("lora", "net.base_model.model.transformer.h.0.mlp.c_proj"),
+        ("bert", "net.bert.encoder.layer.1.intermediate.dense"),
+        ("resnet", "net.resnet.encoder.stages.1.layers.0.layer.1.convolution"),
+        ("segformer", "net.segformer.stages.1.blocks.0.mlp.dwconv.dwconv"),
     ],
 )
 def test_names_a_broken_layer_of_a_third_party_architecture(tmp_path: Path, kind: str, module: str) -> None:

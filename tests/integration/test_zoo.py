@@ -106,7 +106,8 @@ class Truth(pl.Callback):
 
 @pytest.mark.parametrize("kind", THIRD_PARTY)
 def test_third_party_statistics_equal_an_independent_computation(tmp_path: Path, kind: str) -> None:
-    # transformers' GPT-2, Llama, Mixtral, T5 (modules called several times), ViT, Whisper, and a peft LoRA GPT-2.
+    # transformers' GPT-2, Llama, Mixtral, T5 (modules called several times), ViT, Whisper, BERT, ResNet, SegFormer,
+    # and a peft LoRA GPT-2.
     truth = Truth()
     callbacks = [ActivationStats(log_every_n_steps=1), GradStats(log_every_n_steps=1), truth]
     make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1).fit(third_party(kind))

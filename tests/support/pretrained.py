@@ -8,10 +8,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-THIRD_PARTY = ["gpt2", "llama", "mixtral", "t5", "vit", "whisper", "lora"]
+THIRD_PARTY = ["gpt2", "llama", "mixtral", "t5", "vit", "whisper", "lora", "bert", "resnet", "segformer"]
 
 
 class Pretrained(pl.LightningModule):
@@ -35,6 +36,12 @@ class Pretrained(pl.LightningModule):
 
 def language_model_loss(net: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return net(input_ids=tokens, labels=tokens).loss
+
+
+def image_classes(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against which of the first two channels' means are positive (4 classes)."""
+    labels = (images[:, 0].mean((1, 2)) > 0).long() + 2 * (images[:, 1].mean((1, 2)) > 0).long()
+    return F.cross_entropy(net(pixel_values=images).logits, labels)
 
 
 def third_party(kind: str) -> pl.LightningModule:
@@ -75,6 +82,21 @@ def third_party(kind: str) -> pl.LightningModule:
             return net(input_features=features, decoder_input_ids=decoder).logits.square().mean()
 
         return Pretrained(transformers.WhisperForConditionalGeneration(config), torch.randn(32, 8, 16), speech)
+    if kind == "bert":  # its attention dropout is applied by the attention kernel: the module never runs
+        encoder = {"num_attention_heads": 2, "max_position_embeddings": 32}
+        return Pretrained(
+            transformers.BertForMaskedLM(transformers.BertConfig(**small, **encoder)), tokens, language_model_loss
+        )
+    images = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    if kind == "resnet":  # BatchNorm, and an nn.Identity shortcut beside its first block
+        config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4)
+        return Pretrained(transformers.ResNetForImageClassification(config), images, image_classes)
+    if kind == "segformer":  # one dropout module called after two layers of different widths
+        config = transformers.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+            patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32, num_labels=4,
+        )  # fmt: skip
+        return Pretrained(transformers.SegformerForImageClassification(config), images, image_classes)
     peft = pytest.importorskip("peft")  # LoRA: the base model frozen, adapters on attention
     net = peft.get_peft_model(
         transformers.GPT2LMHeadModel(transformers.GPT2Config(**gpt2)), peft.LoraConfig(r=4, target_modules=["c_attn"])
