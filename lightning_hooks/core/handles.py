@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -74,16 +75,44 @@ class HookHandles:
 
 class Observer:
     """A module hook that only watches: calls ``hook`` with the same arguments, except inside
-    :func:`observers_asleep`, where it does nothing and returns ``None``."""
+    :func:`observers_asleep`, where it does nothing and returns ``None``.
+
+    An error of ``hook`` costs what it records, not the step: the call returns ``None`` and the error is warned
+    about once per kind of hook, module and error.
+    """
 
     asleep = 0
     """How many :func:`observers_asleep` blocks are open (one switch for the whole process)."""
+
+    failed: set[tuple[str, str, str]] = set()
+    """The kinds of hook, module and error already warned about in this process."""
 
     def __init__(self, hook: Callable[..., Any]) -> None:
         self.hook = hook
 
     def __call__(self, *args: Any) -> Any:
-        return None if Observer.asleep else self.hook(*args)
+        if Observer.asleep:
+            return None
+        try:
+            return self.hook(*args)
+        except Exception as error:  # a bug of ours, or a tensor it cannot read: the user's run goes on
+            _warn_failed(self.hook, args[0], error)
+            return None
+
+
+def _warn_failed(hook: Callable[..., Any], module: nn.Module, error: Exception) -> None:
+    kind = getattr(hook, "__qualname__", type(hook).__qualname__)
+    key = (kind, type(module).__name__, type(error).__name__)
+    if key not in Observer.failed:
+        Observer.failed.add(key)
+        warnings.warn(
+            f"lightning_hooks could not record a call of a `{type(module).__name__}` module "
+            f"({type(error).__name__}: {error}); what it would have logged for such modules is missing, and training "
+            f"goes on. If its output is an ordinary tensor, this is a bug in lightning_hooks: please report it with "
+            f"this message.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 @contextmanager

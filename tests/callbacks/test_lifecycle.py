@@ -1,8 +1,10 @@
 """Hooks leave with fit, whichever way fit ends."""
 
+import copy
 import io
 import pickle
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ from torch import nn
 
 import lightning_hooks as lh
 from lightning_hooks import GradClamp, ShapeLogger
-from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, texts
+from tests.support.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
 
 
 @pytest.mark.parametrize("failure", [None, RuntimeError, KeyboardInterrupt])
@@ -121,3 +123,38 @@ def test_a_callback_pickled_during_a_fit_leaves_the_model_behind(tmp_path: Path,
     make_trainer(tmp_path, [callback, *probes], max_steps=3).fit(TinyNet())
     assert probes[-1].seen  # the probes ran
     assert found == set()
+
+
+class Jagged(nn.Module):
+    """Returns its batch as torch's jagged nested tensor of two rows, which the statistics cannot reduce."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nested.nested_tensor([x[:3], x[3:]], layout=torch.jagged)
+
+
+class JaggedNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.jagged = Jagged()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.jagged(self.act(self.fc1(x))).unbind()
+        return self.head(self.act(self.fc2(torch.cat(rows))))
+
+
+def test_a_hook_that_cannot_record_costs_its_statistics_not_the_fit(tmp_path: Path) -> None:
+    # Before: RuntimeError from the nested tensor, and the fit and its logs were lost.
+    torch.manual_seed(0)
+    model = JaggedNet()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [lh.ActivationStats(log_every_n_steps=1)], max_steps=2, log_every_n_steps=1).fit(model)
+    failed = [str(w.message) for w in caught if "could not record" in str(w.message)]
+    assert len(failed) == 1, failed  # once, not at every call
+    assert failed[0].startswith("lightning_hooks could not record a call of a `Jagged` module (RuntimeError")
+    assert model.trainer.global_step == 2
+    assert hook_state(model) == hook_state(reference)
+    assert "act_mean/jagged" not in events(tmp_path).Tags()["scalars"]
+    expected = float(reference.fc1(reference.x[: reference.batch_size]).mean())  # the other layers are recorded
+    assert scalars(tmp_path, "act_mean/fc1")[0] == pytest.approx(expected, rel=1e-5)
