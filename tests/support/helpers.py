@@ -85,6 +85,8 @@ class Probe(pl.Callback):
 def make_trainer(
     tmp_path: Path, callbacks: list[pl.Callback], *, logger: bool | Logger = True, **kwargs: Any
 ) -> pl.Trainer:
+    """A quiet CPU Trainer logging to TensorBoard under ``tmp_path``, ``kwargs`` overriding its options;
+    ``strategy="ddp_spawn"`` or ``"ddp_fork"`` runs as :class:`EndingDDP`."""
     options: dict[str, Any] = {
         "default_root_dir": tmp_path,
         "accelerator": "cpu",
