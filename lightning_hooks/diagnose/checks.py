@@ -104,27 +104,34 @@ def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
 def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
     """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of the
     tracker's window; of this step by default). A layer right after a dead one (a pooling after a dead ReLU)
-    carries the same dead units on and is not named again; a layer with weights ends the chain."""
+    carries the same dead units on and is not named again; a layer with weights ends the chain, except after a
+    layer whose every unit is silent: one layer with weights fed only zeros gives out its bias alone, so a layer
+    right after it whose every unit is silent too (the dropout after a transformer MLP's output projection, whose
+    bias starts at zero) is not named again either."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
-    previous_dead = False
+    previous_dead = False  # the last layer without weights was dead, and no layer with weights ran since
+    after_silent = False  # the last layer without weights had every unit silent, and one layer with weights at most
+    weighted = 0  # layers with weights since the last layer without
     for name in snap.order:
         if name in snap.leaves_with_params:
             previous_dead = False
+            weighted += 1
         flags = silent.get(name)
         if not flags:
             continue
         dead = sum(flags)
         share = dead / len(flags)
         is_dead = share >= limits.dead_fraction
-        if is_dead and not previous_dead:
+        every = dead == len(flags)
+        if is_dead and not previous_dead and not (every and after_silent and weighted <= 1):
             said = (
                 f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "
                 f"checked ({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, "
                 f"or a normalization layer before the activation."
             )
             found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
-        previous_dead = is_dead
+        previous_dead, after_silent, weighted = is_dead, every, 0
     return found
 
 

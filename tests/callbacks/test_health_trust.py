@@ -241,3 +241,16 @@ def test_a_dead_output_relu_is_named_before_a_hidden_relu_with_silent_units(tmp_
     found = fit(tmp_path, model, steps=30)
     # Before #31 the hidden ReLU came first, in model order: [dead_units net.1, dead_units net.3, ...].
     assert (found[0].check, found[0].layers[0], found[0].step) == ("dead_units", "net.3", 0)
+
+
+def test_a_dead_transformer_mlp_is_named_once_at_its_activation(tmp_path: Path) -> None:
+    # transformers' BERT with layer 1's GELU driven to zero. The output projection after it then gives out its bias
+    # alone, zero at the start, so the dropout after that is silent too: before, it was named as a second problem.
+    pl.seed_everything(0, verbose=False)
+    model = third_party("bert")
+    with torch.no_grad():
+        model.get_submodule("net.bert.encoder.layer.1.intermediate.dense").bias.fill_(-100.0)
+    found = fit(tmp_path, model, steps=10)
+    assert [(f.check, f.layers, f.step) for f in found] == [
+        ("dead_units", ("net.bert.encoder.layer.1.intermediate.intermediate_act_fn",), 0)
+    ]
