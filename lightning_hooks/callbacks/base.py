@@ -117,8 +117,8 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
     def unseen(m: nn.Module) -> bool:
         return (
             type(m).forward not in (nn.Module.forward, LightningModule.forward)
+            and not any(id(inner) in ran for inner in m.modules())  # the module itself first: most ran
             and not {id(p) for p in m.parameters()} <= used
-            and not any(id(inner) in ran for inner in m.modules())
         )
 
     silent = [name for name, m in recorded.selected.items() if unseen(m)]
