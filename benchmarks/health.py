@@ -40,6 +40,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -135,7 +136,7 @@ def run(case: Case) -> Outcome:
         }
         trainer = pl.Trainer(
             max_steps=case.steps,
-            precision=case.precision,  # type: ignore[arg-type]
+            **precision(case),
             callbacks=[monitor, clock, *references.values()],
             logger=False,
             log_every_n_steps=EVERY,
@@ -158,6 +159,14 @@ def run(case: Case) -> Outcome:
         outcome.error = f"{type(error).__name__}: {error}".splitlines()[0][:200]
     outcome.seconds = time.monotonic() - started
     return outcome
+
+
+def precision(case: Case) -> dict[str, Any]:
+    """The Trainer's arguments for ``case.precision``: ``"16-mixed"`` is fp16 autocast with a ``GradScaler``, which
+    Lightning would turn into bf16 on a CPU unless given as a plugin."""
+    if case.precision == "16-mixed":
+        return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    return {"precision": case.precision}
 
 
 def detection(case: Case, reports: Sequence[Report]) -> Report | None:
@@ -244,7 +253,8 @@ def describe(cases: Sequence[Case], seeds: int) -> str:
     return (
         f"{len(healthy)} healthy runs over {len({c.family for c in healthy})} architectures "
         f"({', '.join(dict.fromkeys(c.family for c in healthy))}), optimizers {', '.join(optimizers)}, "
-        f"{sum(c.precision == 'bf16-mixed' for c in healthy)} of them in bf16-mixed; {len(programs)} buggy programs "
+        f"{sum(c.precision == 'bf16-mixed' for c in healthy)} of them in bf16-mixed and "
+        f"{sum(c.precision == '16-mixed' for c in healthy)} in fp16 with a GradScaler; {len(programs)} buggy programs "
         f"under {seeds} seed(s), {len(buggy)} buggy runs and as many fixed twins."
     )
 

@@ -36,6 +36,7 @@ __all__ = [
     "loss_scaler",
     "metrics",
     "note_recorded",
+    "overflow_flags",
     "refuse_sharded",
     "report_silent_modules",
     "tensor_parallel_mesh",
@@ -46,6 +47,15 @@ def loss_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The ``GradScaler`` of the Trainer's precision plugin, if one is scaling the loss."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def overflow_flags(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The flags ``scaler`` set, one per device, when it unscaled ``optimizer``'s gradients this step: non-zero where
+    they overflowed, and then it skips the step. Empty without a scaler, or before it unscaled them."""
+    if scaler is None:
+        return []
+    state = scaler._per_optimizer_states.get(id(optimizer), {})  # a defaultdict: `get` adds no entry
+    return list(state.get("found_inf_per_device", {}).values())
 
 
 def tensor_parallel_mesh(trainer: pl.Trainer) -> DeviceMesh | None:

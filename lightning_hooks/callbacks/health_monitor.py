@@ -9,9 +9,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import StatsCallback, data_parallel_size, refuse_sharded
+from lightning_hooks.callbacks.base import (
+    StatsCallback,
+    data_parallel_size,
+    loss_scaler,
+    overflow_flags,
+    refuse_sharded,
+)
 from lightning_hooks.core import validate as _validate
-from lightning_hooks.core.autograd import dense_gradient
+from lightning_hooks.core.autograd import dense_gradient, loss_scale
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label, trainable_parameters
@@ -48,7 +54,8 @@ class HealthMonitor(StatsCallback):
       steadily ``norm_growth``-fold.
     * ``update_ratio``: ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]``.
     * ``activation_growth``: an output RMS ``activation_growth`` times the layers' before it, or its own.
-    * ``nonfinite``: NaN/Inf in an output, a gradient or the loss (and what a :class:`NonFiniteGuard` found).
+    * ``nonfinite``: NaN/Inf in an output, a gradient or the loss (and what a :class:`NonFiniteGuard` found);
+      not the overflowing gradients of a step an fp16 ``GradScaler`` skips while its scale stays at least 1.
     * ``loss_spike``: a loss ``spike_threshold`` robust deviations above the median of the last 100 steps.
     * ``saturation``, ``input_scale``, ``no_learning``: saturated sigmoid/tanh/softmax outputs, batch
       tensors far from unit scale, every gradient exactly zero.
@@ -167,10 +174,12 @@ class HealthMonitor(StatsCallback):
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
         self._ring: _LossRing | None = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
         self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None}
+        return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": []}
 
     @property
     def findings(self) -> list[HealthFinding]:
@@ -217,6 +226,7 @@ class HealthMonitor(StatsCallback):
             label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
         )
         self._ring = None
+        self._scaler = loss_scaler(trainer)
         if self._spikes and self._enabled and self._params:
             device = self._params[0][1].device
             self._ring = _LossRing([p for _, p in self._params], self.every(trainer) + 1, device)
@@ -238,6 +248,7 @@ class HealthMonitor(StatsCallback):
         self._inputs = {}
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._lrs = {}
+        self._overflow = []
 
     @override
     def on_train_batch_start(
@@ -265,9 +276,11 @@ class HealthMonitor(StatsCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        overflow = overflow_flags(self._scaler, optimizer)
         if self._ring is not None:
-            self._ring.norms(self._step_now(), logging=self.gate.is_open)
+            self._ring.norms(self._step_now(), logging=self.gate.is_open, overflow=overflow)
         if self._watch_grads and self._enabled and self.gate.is_open:
+            self._overflow += overflow
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if (layer := self._layer_of.get(id(p))) is not None:
@@ -307,6 +320,11 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
+        scale = loss_scale(self._scaler)  # as updated after the step
+        if self._overflow and scale is not None:
+            self._batch.add_vector(
+                ("scaler", "overflow"), torch.stack([torch.stack(self._overflow).sum(), scale.reshape(())])
+            )
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
@@ -371,11 +389,15 @@ class HealthMonitor(StatsCallback):
         norms: list[list[float]] = []
         if ring_steps:
             flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors.get(("ring", "norms"), [])
+            overflowed = fetched.vectors.get(("ring", "overflow"), [])
             width, row = len(self._params), 0
             for i, ring_step in enumerate(ring_steps):
                 losses.append((ring_step, flat[i]))
-                norms.append(norm_rows[row * width : (row + 1) * width] if ring_step in with_norms else [])
+                # a step the GradScaler skipped: its gradients measure the loss scale, not the model
+                taken = ring_step in with_norms and not (row < len(overflowed) and overflowed[row] > 0)
+                norms.append(norm_rows[row * width : (row + 1) * width] if taken else [])
                 row += ring_step in with_norms
+        overflow, scale = fetched.vectors.get(("scaler", "overflow"), [0.0, math.nan])
         executed = [label(name) for name in self._units.order]
         return Snapshot(
             step=step,
@@ -385,6 +407,7 @@ class HealthMonitor(StatsCallback):
             softmax=self._softmax,
             lrs=self._lrs,
             gradless=bool(self._gradless),
+            skipped_at_scale=scale if overflow > 0 else None,
             weight_sizes=self._sizes,
             inputs={
                 k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"
@@ -427,6 +450,7 @@ class _LossRing:
         self.zero = torch.zeros((), device=device)
         self.losses: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
+        self.overflow: dict[int, torch.Tensor] = {}  # of the steps with norms, a GradScaler's flag where there is one
         self.halfway: float | None = None
         self._on_host = device.type == "cpu"
         self._loss_step = -1
@@ -441,8 +465,9 @@ class _LossRing:
             oldest = next(iter(self.losses))  # steps are kept in the order they came
             del self.losses[oldest]
             self.grad_norms.pop(oldest, None)
+            self.overflow.pop(oldest, None)
 
-    def norms(self, step: int, logging: bool) -> None:
+    def norms(self, step: int, logging: bool, overflow: list[torch.Tensor] | None = None) -> None:
         if step in self.grad_norms:  # a further optimizer of the step
             return
         # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
@@ -458,6 +483,8 @@ class _LossRing:
         except (NotImplementedError, RuntimeError):  # a sparse gradient
             norms = torch._foreach_norm([dense_gradient(g) for g in grads])
         self.grad_norms[step] = torch.stack(norms)
+        if overflow:
+            self.overflow[step] = overflow[0] if len(overflow) == 1 else torch.stack(overflow).sum()
 
     def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
         """The steps kept since the last hand-over and those of them with norms, whose values go into ``batch``."""
@@ -467,5 +494,7 @@ class _LossRing:
             batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
         if with_norms:
             batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms[s] for s in with_norms]))
-        self.losses, self.grad_norms = {}, {}
+        if self.overflow:
+            batch.add_vector(("ring", "overflow"), torch.stack([self.overflow.get(s, self.zero) for s in with_norms]))
+        self.losses, self.grad_norms, self.overflow = {}, {}, {}
         return steps, set(with_norms)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, loss_scaler, tensor_parallel_mesh
+from lightning_hooks.callbacks.base import HookCallback, loss_scaler, overflow_flags, tensor_parallel_mesh
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import eager_stance, has_compiled, run_eager
 from lightning_hooks.core.select import named_parameters
@@ -239,9 +239,7 @@ class NonFiniteGuard(HookCallback):
 
     def _sentinel(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, step: int) -> None:
         """Replay mode: check the step; if it failed, read what the check saw, replay it, agree across ranks, act."""
-        # the flags the GradScaler set when it unscaled this optimizer's gradients
-        scaler_state = self._scaler._per_optimizer_states.get(id(optimizer), {}) if self._scaler is not None else {}
-        found_inf = list(scaler_state.get("found_inf_per_device", {}).values())
+        found_inf = overflow_flags(self._scaler, optimizer)
         grads = [] if found_inf else _strided_gradients(optimizer)
         losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
         # Under DDP the all-reduced gradients decide, so that every rank reaches the same verdict; where each rank

@@ -75,6 +75,7 @@ class Snapshot:
     softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its parameter group's learning rate
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
+    skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
 
 
 @dataclass(frozen=True)
@@ -254,17 +255,26 @@ def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = froz
 def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """NaN/Inf in a layer's output (the first in model order), else in a parameter gradient, or in a step's loss.
 
+    Gradients that a ``GradScaler`` found overflowing, and skipped, are fp16 loss scaling at work while its scale
+    stays at least 1 (``snap.skipped_at_scale``): it halves the scale and goes on. Below 1 they overflow unscaled.
     A ``NonFiniteGuard`` finding in the same Trainer (``snap.guard``) is named first.
     """
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
     layers: list[str] = []
-    for what, table in (("output", snap.activations), ("parameter gradient", snap.grads)):
+    scale = snap.skipped_at_scale
+    routine = scale is not None and scale >= 1  # fp16 loss scaling at work
+    tables = [("output", snap.activations), *([] if routine else [("parameter gradient", snap.grads)])]
+    for what, table in tables:
         layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]  # execution order
         if layers:
             count = float(len(layers))
             said = (
                 f"the {what} of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
             )
+            if scale is not None and what != "output":
+                said += (
+                    f", and the GradScaler's skips have brought its scale down to {scale:.3g}: they overflow unscaled"
+                )
             break
     else:
         if not bad_losses and snap.guard is None:

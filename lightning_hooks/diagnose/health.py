@@ -69,6 +69,8 @@ MAD_SCALE = 1.4826
 """``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
 MOMENTS = ("loss_spike", "exploding_gradients")
 """Immediate checks whose evidence belongs to one moment (a step, a run of steps), not to the logging step."""
+LEARNING = frozenset({"vanishing_gradients", "exploding_gradients", "update_ratio"})
+"""The checks that judge how each layer learns, from its gradients and update."""
 DEAD_SAMPLES = 512
 """``dead_units`` judges a layer whose units are not all silent over a window of at least this many samples."""
 RISE_MAX = 64
@@ -147,13 +149,16 @@ class HealthTracker:
                 self._zero_start.add(name)
         skip = frozenset(self._zero_start)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
+        # a step the GradScaler skipped has overflowing gradients and no update: how the layers learn is not seen
+        unseen = LEARNING if snap.skipped_at_scale is not None else frozenset()
+        judged = not stalled and not unseen
         if "dead_units" in on:
             immediate += self._dead_units(snap)
-        if on & {"vanishing_gradients", "exploding_gradients"} and not stalled:
+        if on & {"vanishing_gradients", "exploding_gradients"} and judged:
             persistent += [e for e in gradient_spread(snap, self.limits, skip) if e.check in on]
         if "exploding_gradients" in on:
             immediate += self._norm_growth(snap)
-        if "update_ratio" in on and not stalled:
+        if "update_ratio" in on and judged:
             persistent += update_ratio(snap, self.limits, skip)
         if "activation_growth" in on:
             persistent += self._activation_growth(snap)
@@ -177,7 +182,7 @@ class HealthTracker:
             self._streaks[key] = (start, length + 1)
             if length + 1 >= self.limits.patience:
                 new += self._record(e, start, snap.step)
-        for key in [k for k in self._streaks if k not in held]:
+        for key in [k for k in self._streaks if k not in held and k[0] not in unseen]:
             del self._streaks[key]
         for e in immediate:
             step = snap.step if e.step is None else e.step

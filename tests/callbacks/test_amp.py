@@ -10,10 +10,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_hooks import ActivationStats, GradClamp, GradStats, HealthMonitor, NonFiniteGuard, ShapeLogger
-from tests.support.helpers import TinyNet, make_trainer, scalars
+from tests.support.helpers import ScaleLog, TinyNet, fp16, make_trainer, scalars
 
 
 class Overflow(TinyNet):
@@ -25,19 +24,6 @@ class Overflow(TinyNet):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         return loss * 1e10 if self.global_step == self.overflow_at else loss
-
-
-class ScaleLog(pl.Callback):
-    def __init__(self) -> None:
-        self.scales: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.scales.append(trainer.precision_plugin.scaler.get_scale())
-
-
-def fp16() -> MixedPrecision:
-    """Real fp16 autocast with an enabled GradScaler on CPU (`precision="16-mixed"` would become bf16)."""
-    return MixedPrecision("16-mixed", "cpu")
 
 
 def test_bf16_mixed_runs_every_callback(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ classic bugs, naming the layer where the problem starts. Each case failed on the
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import HealthFinding, HealthMonitor
-from tests.support.helpers import make_trainer
+from tests.support.helpers import ScaleLog, fp16, make_trainer
 from tests.support.pretrained import THIRD_PARTY, third_party
 
 transformers = pytest.importorskip("transformers")
@@ -45,9 +45,16 @@ class Fit(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int = 5) -> list[HealthFinding]:
+def fit(
+    tmp_path: Path,
+    model: pl.LightningModule,
+    steps: int,
+    every: int = 5,
+    also: Sequence[pl.Callback] = (),
+    **kwargs: Any,
+) -> list[HealthFinding]:
     monitor = HealthMonitor(log_every_n_steps=every)
-    trainer = make_trainer(tmp_path, [monitor], max_steps=steps, log_every_n_steps=every)
+    trainer = make_trainer(tmp_path, [monitor, *also], max_steps=steps, log_every_n_steps=every, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model)
@@ -254,3 +261,35 @@ def test_a_dead_transformer_mlp_is_named_once_at_its_activation(tmp_path: Path) 
     assert [(f.check, f.layers, f.step) for f in found] == [
         ("dead_units", ("net.bert.encoder.layer.1.intermediate.intermediate_act_fn",), 0)
     ]
+
+
+def test_fp16_loss_scaling_that_skips_overflowing_steps_makes_no_finding(tmp_path: Path) -> None:
+    # The GradScaler's first scale, 65,536, is too high for ConvNeXt's gradients: it skips the steps that overflow
+    # and halves its scale, as loss scaling is meant to. Before, each skip was a `nonfinite` finding, and the update
+    # ratio of 0 of a skipped step counted against `update_ratio`.
+    pl.seed_everything(0, verbose=False)
+    scales = ScaleLog()
+    found = fit(tmp_path, convnext(), steps=60, every=2, also=[scales], plugins=[fp16()])
+    assert scales.scales[-1] <= 65536 / 4  # the scaler did skip steps (at least two)
+    assert found == []
+
+
+def spread_out(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus a term pushing the embeddings ``net[:3](x)`` apart, by Euclidean distance written out with a
+    square root: each sample's distance to itself is 0, and the gradient of the root of 0 is NaN (a known bug)."""
+    z = net[:3](x)
+    distances = (z[:, None] - z[None]).square().sum(-1).sqrt()
+    return F.cross_entropy(net[3](z), y) - 1e-3 * distances.mean()
+
+
+def test_gradients_that_overflow_whatever_the_loss_scale_are_named_once_it_falls_below_1(tmp_path: Path) -> None:
+    # Every step's gradient is NaN, whatever the scale: the scaler skips each step and halves its scale, 65,536 -> 0.5
+    # in 17 steps (step 16); from there the gradient is named as a fault, in the first layer it reaches.
+    pl.seed_everything(0, verbose=False)
+    model = classification(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 3)))
+    model.loss = spread_out
+    scales = ScaleLog()
+    found = fit(tmp_path, model, steps=24, every=2, also=[scales], plugins=[fp16()])
+    assert scales.scales[16] == 0.5
+    assert [(f.check, f.layers[0], f.step) for f in found] == [("nonfinite", "net.0", 16)]
+    assert "the GradScaler's skips have brought its scale down to" in found[0].message  # as of its last step

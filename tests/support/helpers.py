@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -80,6 +81,21 @@ class Probe(pl.Callback):
     def __init__(self, hook: str, look: Any) -> None:
         self.seen: list[Any] = []
         setattr(self, hook, lambda trainer, pl_module, *args: self.seen.append(look(trainer, pl_module, *args)))
+
+
+class ScaleLog(pl.Callback):
+    """The GradScaler's scale after each optimizer step, in ``scales``."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def fp16() -> MixedPrecision:
+    """Real fp16 autocast with an enabled GradScaler on CPU (``precision="16-mixed"`` would become bf16 there)."""
+    return MixedPrecision("16-mixed", "cpu")
 
 
 def make_trainer(
