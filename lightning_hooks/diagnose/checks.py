@@ -73,6 +73,7 @@ class Snapshot:
     inputs: dict[str, float] = field(default_factory=dict)  # RMS of each floating batch tensor, by its path
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
     softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
+    row_sums: dict[str, float] = field(default_factory=dict)  # per softmax its gradient, Σ |row sums| / Σ |g|
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its parameter group's learning rate
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
@@ -306,6 +307,10 @@ INPUT_SCALE = 100.0
 """``input_scale`` names a batch tensor whose RMS is this many times above, or below, unit scale."""
 SATURATED = 0.5
 """``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
+ROWS_SUM_TO_ZERO = 1e-3
+"""A softmax's gradient sums to zero over each row, up to this share of its magnitude: its probabilities went into
+a loss that applies a softmax of its own (exactly zero but for rounding; a loss of the probabilities themselves,
+such as the NLL of their log, sums to its whole magnitude)."""
 
 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
@@ -345,17 +350,20 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 def saturation(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and a
-    softmax that is the model's last layer (a loss such as ``cross_entropy`` takes logits and squashes them again,
-    so the gradient through this softmax saturates)."""
+    softmax that is the model's last layer whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`):
+    a loss such as ``cross_entropy`` took its probabilities for logits and squashed them again, so the gradient
+    through this softmax saturates. A loss of the probabilities themselves (``nll_loss`` of their log, a
+    ``Categorical(probs=...)``) is not named."""
     found = []
     last = snap.executed[-1] if snap.executed else None
-    if last in snap.softmax and last in snap.saturated:  # over one unit it is no_learning's
+    if last in snap.softmax and snap.row_sums.get(last, math.inf) <= ROWS_SUM_TO_ZERO:
         said = (
-            f"the model's output comes from the softmax `{label(last)}`: `cross_entropy` applies its own softmax, "
-            f"so the gradient through this one saturates and learning crawls; give `cross_entropy` the logits (or "
-            f"end with `nn.LogSoftmax` and use `nll_loss`)."
+            f"the model's output comes from the softmax `{label(last)}`, and the loss took its probabilities for "
+            f"logits (their gradient sums to zero over each row, as `cross_entropy`'s does): it applies a softmax "
+            f"of its own, so the gradient through this one saturates and learning crawls; give `cross_entropy` the "
+            f"logits (or end with `nn.LogSoftmax` and use `nll_loss`)."
         )
-        found.append(Evidence("saturation", (label(last),), snap.saturated.get(last, 0.0), SATURATED, said))
+        found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
     for name in snap.order:
         share = snap.saturated.get(name, 0.0)
         if share >= SATURATED and name != last:

@@ -12,7 +12,7 @@ from lightning_hooks.core.autograd import graph_task_id, in_backward
 from lightning_hooks.core.compiled import Pending, Region, Switched
 from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
-from lightning_hooks.core.shards import counted_part
+from lightning_hooks.core.shards import counted_part, is_sharded
 from lightning_hooks.stats.batch import OutputKeys, StatBatch
 
 __all__ = ["ActivationRecorder", "UnitRecorder"]
@@ -95,7 +95,9 @@ class UnitRecorder:
     as they first ran. A module that also runs on outputs of another width (SegFormer applies one dropout after two
     layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
     Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
-    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``.
+    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``; a softmax
+    also sums the gradient its output gets, ``[Σ_rows |Σ_row g|, Σ |g|]`` under ``("rowsum", <layer>)``: zero
+    rows sums mean the loss handled its probabilities as logits, as ``cross_entropy`` does.
 
     Example::
 
@@ -151,7 +153,7 @@ class _UnitHook:
             return
         recorder.order[self.name] = None
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor) and output.shape[-1:] != (1,):
-            _count_saturated(recorder, self.name, module, output.detach())
+            _count_saturated(recorder, self.name, module, output)
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -174,14 +176,28 @@ class _UnitHook:
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)
 
 
-def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, y: torch.Tensor) -> None:
+def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, output: torch.Tensor) -> None:
+    y = output.detach()
     if isinstance(module, nn.Softmax):
         dim = module.dim if module.dim is not None else -1
         gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
+        if output.requires_grad and not is_sharded(output):
+            output.register_hook(_RowSums(recorder.batch, name, dim))
     else:
         gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
     recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
     recorder.saturable[name] = recorder.saturable.get(name, 0) + n
+
+
+class _RowSums:
+    """A softmax output's gradient hook: adds ``[Σ_rows |Σ_row g|, Σ |g|]`` to the batch, the gradient unchanged."""
+
+    def __init__(self, batch: StatBatch, name: str, dim: int) -> None:
+        self.batch, self.name, self.dim = batch, name, dim
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        g = grad.detach().float()
+        self.batch.add_vector(("rowsum", self.name), torch.stack([g.sum(self.dim).abs().sum(), g.abs().sum()]))
 
 
 _CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

@@ -293,3 +293,26 @@ def test_gradients_that_overflow_whatever_the_loss_scale_are_named_once_it_falls
     assert scales.scales[16] == 0.5
     assert [(f.check, f.layers[0], f.step) for f in found] == [("nonfinite", "net.0", 16)]
     assert "the GradScaler's skips have brought its scale down to" in found[0].message  # as of its last step
+
+
+def probabilities(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Loss:
+    return lambda model, x, y: loss(model(x), y)
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        (probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),  # a softmax, then cross_entropy's own
+        (probabilities(lambda p, y: F.nll_loss(p.log(), y)), []),
+        (probabilities(lambda p, y: -torch.distributions.Categorical(probs=p).log_prob(y).mean()), []),
+    ],
+    ids=["cross_entropy", "nll of the log", "categorical"],
+)
+def test_a_model_ending_in_a_softmax_is_named_only_when_the_loss_applies_a_softmax_again(
+    tmp_path: Path, loss: Loss, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # Before, every model ending in nn.Softmax was told to give cross_entropy the logits, whatever its loss.
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, 3), nn.Softmax(dim=1)))
+    model.loss = loss
+    assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
