@@ -208,13 +208,17 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
     return found
 
 
-def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+def update_ratio(
+    snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset(), scheduled: frozenset[str] = frozenset()
+) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
     parameter group's learning rate is :data:`PEER_GAP` times the peers'.
 
     Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
-    :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged.
+    :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
+    ``scheduled`` (their learning rate warming up or decaying) are not judged below the range: their steps are small
+    by design.
     """
     if snap.step == 0:
         return []
@@ -240,7 +244,7 @@ def update_ratio(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = froz
                 f"by {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): the learning rate is too high for it; "
                 f"lower it (its parameter group's), or add warm-up."
             )
-        elif ratio < limits.update_ratio_low:
+        elif ratio < limits.update_ratio_low and name not in scheduled:
             threshold = limits.update_ratio_low
             said = (
                 f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "

@@ -131,6 +131,8 @@ class HealthTracker:
         self._reference_loss: float | None = None
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
+        self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
+        self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
@@ -148,6 +150,7 @@ class HealthTracker:
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
         skip = frozenset(self._zero_start)
+        scheduled = self._scheduled(snap)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update: how the layers learn is not seen
         unseen = LEARNING if snap.skipped_at_scale is not None else frozenset()
@@ -159,7 +162,7 @@ class HealthTracker:
         if "exploding_gradients" in on:
             immediate += self._norm_growth(snap)
         if "update_ratio" in on and judged:
-            persistent += update_ratio(snap, self.limits, skip)
+            persistent += update_ratio(snap, self.limits, skip, scheduled)
         if "activation_growth" in on:
             persistent += self._activation_growth(snap)
         if "nonfinite" in on:
@@ -196,6 +199,19 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
+
+    def _scheduled(self, snap: Snapshot) -> frozenset[str]:
+        """The layers whose learning rate changed since the previous logging step or is below its peak: a warm-up or
+        a decay in progress."""
+        scheduled = frozenset(
+            name
+            for name, lr in snap.lrs.items()
+            if lr != self._lr_last.get(name, lr) or lr < self._lr_peak.get(name, 0.0)
+        )
+        for name, lr in snap.lrs.items():
+            self._lr_peak[name] = max(lr, self._lr_peak.get(name, 0.0))
+        self._lr_last = dict(snap.lrs)
+        return scheduled
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = (e.check, e.layers)

@@ -316,3 +316,47 @@ def test_a_model_ending_in_a_softmax_is_named_only_when_the_loss_applies_a_softm
     model = classification(mlp(nn.ReLU(), nn.Linear(16, 3), nn.Softmax(dim=1)))
     model.loss = loss
     assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
+
+
+class Scheduled(pl.LightningModule):
+    """``model`` under AdamW at ``lr`` with transformers' linear warm-up over ``warmup`` steps and decay to zero at
+    ``total`` (``warmup=None``: a flat learning rate), stepped every optimizer step."""
+
+    def __init__(self, model: pl.LightningModule, lr: float, warmup: int | None, total: int = 0) -> None:
+        super().__init__()
+        self.model, self.lr, self.warmup, self.total = model, lr, warmup, total
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model.training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.model.train_dataloader()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if self.warmup is None:
+            return optimizer
+        schedule = transformers.get_linear_schedule_with_warmup(optimizer, self.warmup, self.total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.parametrize(
+    ("warmup", "total", "steps", "every"), [(1000, 10_000, 30, 2), (4, 100, 100, 1)], ids=["warm-up", "decay to zero"]
+)
+def test_a_bert_schedule_warming_up_or_decaying_is_not_told_to_raise_its_learning_rate(
+    tmp_path: Path, warmup: int, total: int, steps: int, every: int
+) -> None:
+    # BERT fine-tuning's recipe: AdamW at 2e-5 with a linear warm-up and decay. Its LayerNorm weights are about 1,
+    # so while the rate is far below its peak they move by less than 1e-6 of their norm a step, by design. Before,
+    # they were told they barely learn.
+    pl.seed_everything(0, verbose=False)
+    model = Scheduled(third_party("bert"), 2e-5, warmup, total)
+    assert fit(tmp_path, model, steps=steps, every=every) == []
+
+
+def test_a_learning_rate_too_low_from_the_start_is_still_named(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, Scheduled(third_party("bert"), 2e-7, None), steps=30, every=2)
+    assert {f.check for f in found} == {"update_ratio"}
+    assert "LayerNorm" in found[0].layers[0]
+    assert "raise the learning rate" in found[0].message
