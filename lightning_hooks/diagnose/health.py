@@ -273,16 +273,19 @@ class HealthTracker:
 
     def _grew(self, run: list[tuple[int, dict[str, float]]], how: str, overflowed: bool = False) -> list[Evidence]:
         """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
-        if it ``overflowed``), ``norm_growth``-fold from the start of the rise."""
+        if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
+        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth."""
         length = 3 if overflowed else self.limits.patience + 1
         totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
         rising = 1
         while rising < len(totals) and totals[-rising - 1] < totals[-rising] and not (overflowed and rising == 3):
             rising += 1
+        held = totals[:-rising]  # the levels before the rise
         run, totals = run[-rising:], totals[-rising:]
         if len(totals) < length:
             return []
-        growth = totals[-1] / max(totals[0], 1e-30)
+        start = totals[0] if overflowed or not held else max(totals[0], statistics.median(held))
+        growth = totals[-1] / max(start, 1e-30)
         if growth < self.limits.norm_growth:
             return []
         (first_step, before), (last_step, after) = run[0], run[-1]

@@ -323,3 +323,17 @@ def test_a_sparse_gradient_is_watched_in_its_dense_form(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, SparseEmbeddingNet, steps=11, every=5)
     assert sorted(scalars(tmp_path, "health/exploding_gradients")) == [0, 5, 10]  # logged: the check ran
     assert not only(monitor.findings, "nonfinite")
+
+
+@pytest.mark.parametrize(
+    ("rise", "found"),
+    [([0.001, 0.01, 0.1, 0.4], False), ([2.0, 20.0, 200.0], True)],
+    ids=["out of a dip", "from the level it held"],
+)
+def test_a_gradient_norm_is_exploding_when_it_rises_far_above_the_level_it_held(rise: list[float], found: bool) -> None:
+    # A converged classifier's batches mostly have tiny gradients: the logged norm dips 200-fold, then comes back.
+    tracker = HealthTracker(["exploding_gradients"], Thresholds())
+    levels = [0.2] * 8 + rise
+    for i, level in enumerate(levels):
+        tracker.update(snapshot(10 * i, grads=grads(fc1=level, fc2=level)))
+    assert [f.check for f in tracker.findings] == (["exploding_gradients"] if found else [])
