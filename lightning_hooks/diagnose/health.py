@@ -63,6 +63,10 @@ SPIKE_MIN_HISTORY = 20
 """``loss_spike`` judges no step before this many losses are known."""
 SPIKE_FLOOR = 0.05
 """``loss_spike``'s robust deviation is at least this share of the highest rolling median seen in the fit."""
+SPIKE_TAIL = 5.0
+"""A spike also stands this many times further above the rolling median than the highest loss of its window (from
+step :data:`SETTLED` on): batches of one or two samples have losses of hard samples 1,000 times the median every few
+dozen steps, up to 3 times further out than the window's highest (digits at batch size 1); a bad batch, 38 times."""
 ALIKE = 10.0
 """Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
 MAD_SCALE = 1.4826
@@ -134,7 +138,7 @@ class HealthTracker:
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
-        self._losses: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
         self.affected: dict[str, int] = {}
         """Per check, how many layers the findings made or extended by the latest snapshot name."""
@@ -336,9 +340,11 @@ class HealthTracker:
 
     def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
         """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
-        rolling median as it stood then; a spike on the step right after another extends that finding."""
+        rolling median as it stood then, and :data:`SPIKE_TAIL` times further above it than the highest settled loss
+        of the window; a spike on the step right after another extends that finding."""
         found = []
         level = self._level()
+        highest = max((loss for step, loss in self._losses if step >= SETTLED), default=-math.inf)
         for i, (step, loss) in enumerate(snap.losses):
             norms = snap.norms[i] if i < len(snap.norms) else []
             if not math.isfinite(loss):
@@ -346,14 +352,14 @@ class HealthTracker:
             if level is not None:
                 median, scale = level
                 z = (loss - median) / scale
-                if z > self.limits.spike_threshold:
+                if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
                     spike = self._spike(step, loss, median, z, norms, snap.norm_layers)
                     if self._last_spike is not None and self._last_spike[0] == step - 1:
                         spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
                     self._last_spike = (step, spike)
                     found.append(spike)
                     continue  # a spike does not become the level the next steps are judged by
-            self._losses.append(loss)
+            self._losses.append((step, loss))
             if norms:
                 self._loss_norms.append(norms)
         return found
@@ -368,7 +374,7 @@ class HealthTracker:
         """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
         if len(self._losses) < SPIKE_MIN_HISTORY:
             return None
-        history = list(self._losses)
+        history = [loss for _, loss in self._losses]
         median = statistics.median(history)
         self._top_median = max(self._top_median, median)
         mad = statistics.median(abs(x - median) for x in history)

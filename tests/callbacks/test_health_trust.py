@@ -376,3 +376,31 @@ def test_a_converged_classifier_whose_gradient_norm_dips_and_comes_back_is_not_e
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)  # type: ignore[method-assign]
     found = fit(tmp_path, model, steps=1000, every=10)
     assert [(f.check, f.layers) for f in found] == [("dead_units", ("net.1",))]
+
+
+def test_one_hard_sample_in_a_batch_of_one_is_not_a_loss_spike(tmp_path: Path) -> None:
+    # scikit-learn's digits one sample a step: once learnt, most losses are about 0.001 and a misclassified digit's is
+    # 2 to 5, every few dozen steps. Before, such a step was a loss spike (20 robust deviations, and more).
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.01)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=1, shuffle=True)  # type: ignore[method-assign]
+    assert fit(tmp_path, model, steps=1000, every=50) == []
+
+
+def test_a_bad_batch_once_a_classifier_has_converged_is_a_loss_spike(tmp_path: Path) -> None:
+    # The same digits in batches of 64, whose losses are smooth; at step 300 one batch has every label wrong.
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), (y + (model.global_step == 300)) % 10), lr=3e-3)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)  # type: ignore[method-assign]
+    spikes = [f for f in fit(tmp_path, model, steps=320, every=50) if f.check == "loss_spike"]
+    assert [f.step for f in spikes] == [300]
