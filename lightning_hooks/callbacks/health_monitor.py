@@ -159,7 +159,6 @@ class HealthMonitor(StatsCallback):
         judges_learning = bool(on & {"update_ratio", "vanishing_gradients", "exploding_gradients"})
         self._grads = ParamGradRecorder(self._batch, update_ratio=judges_learning, weight_norms=True, observe=False)
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
-        self._inputs: dict[str, int] = {}  # the floating-point batch tensors of this logging step: path, values
         self._gradless: bool | None = None
         self._softmax: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
@@ -245,7 +244,6 @@ class HealthMonitor(StatsCallback):
         self._grads.start()
         self._read, self._grad_names = set(), []
         self._units.start()
-        self._inputs = {}
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._lrs = {}
         self._overflow = []
@@ -257,9 +255,9 @@ class HealthMonitor(StatsCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
             for path, t in named_tensors(batch):
-                if t.is_floating_point() and t.numel():
-                    self._batch.add_vector(("input", path), t.detach().float().square().sum().reshape(1))
-                    self._inputs[path] = self._inputs.get(path, 0) + t.numel() * data_parallel_size(trainer)
+                if t.is_floating_point() and t.numel():  # the sum of squares and the count of non-zero values
+                    x = t.detach().float()
+                    self._batch.add_vector(("input", path), torch.stack([x.square().sum(), x.count_nonzero().float()]))
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -409,9 +407,7 @@ class HealthMonitor(StatsCallback):
             gradless=bool(self._gradless),
             skipped_at_scale=scale if overflow > 0 else None,
             weight_sizes=self._sizes,
-            inputs={
-                k[1]: math.sqrt(v[0] / max(self._inputs.get(k[1], 0), 1)) for k, v in vectors.items() if k[0] == "input"
-            },
+            inputs={k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input"},
             saturated={
                 label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
                 for k, v in vectors.items()

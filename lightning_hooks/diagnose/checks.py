@@ -70,7 +70,7 @@ class Snapshot:
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
     adaptive: frozenset[str] = frozenset()  # layers an adaptive optimizer (anything but SGD) updates
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
-    inputs: dict[str, float] = field(default_factory=dict)  # RMS of each floating batch tensor, by its path
+    inputs: dict[str, float] = field(default_factory=dict)  # per floating batch tensor (path), its non-zeros' RMS
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
     softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
     row_sums: dict[str, float] = field(default_factory=dict)  # per softmax its gradient, Σ |row sums| / Σ |g|
@@ -318,8 +318,9 @@ such as the NLL of their log, sums to its whole magnitude)."""
 
 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """Floating-point batch tensors whose RMS is :data:`INPUT_SCALE` times off unit scale, named after the first
-    layer that ran (the last one for the batch's last tensor, a target compared with the output)."""
+    """Floating-point batch tensors whose RMS over their non-zero values is :data:`INPUT_SCALE` times off unit scale
+    (a sparse input, such as a TF-IDF row normalised to unit length, is small only in its zeros), named after the
+    first layer that ran (the last one for the batch's last tensor, a target compared with the output)."""
     found = []
     paths = list(snap.inputs)
     for path, rms in snap.inputs.items():
@@ -329,7 +330,8 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         layers = snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"
         said = (
-            f"the batch's {what} (`{path}`) have an RMS of {rms:.3g}, {abs(math.log10(rms)):.0f} orders of magnitude "
+            f"the batch's {what} (`{path}`) have an RMS of {rms:.3g} (over their non-zero values), "
+            f"{abs(math.log10(rms)):.0f} orders of magnitude "
             f"from unit scale: standardise them (subtract the training set's mean, divide by its standard "
             f"deviation); unscaled {what} make huge activations, losses and gradients from the first step."
         )

@@ -404,3 +404,23 @@ def test_a_bad_batch_once_a_classifier_has_converged_is_a_loss_spike(tmp_path: P
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)  # type: ignore[method-assign]
     spikes = [f for f in fit(tmp_path, model, steps=320, every=50) if f.check == "loss_spike"]
     assert [f.step for f in spikes] == [300]
+
+
+def test_tf_idf_features_are_sparse_not_small(tmp_path: Path) -> None:
+    # scikit-learn's TfidfVectorizer over a 20,000-word vocabulary: each document's row has unit length, so its RMS is
+    # 1/sqrt(20,000) = 0.007, below the 1/100 line, though its non-zero values are about 0.1. Before, an MLP
+    # classifying these documents by topic was told to standardise its inputs.
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    pl.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    vocabulary = [f"w{i}" for i in range(20_000)]
+    zipf = 1 / torch.arange(1.0, 20_001.0)
+    topics = torch.randint(0, 20_000, (4, 100), generator=generator)
+    y = torch.arange(256) % 4
+    words = [torch.cat([torch.multinomial(zipf, 60, generator=generator), topics[c, :10]]) for c in y.tolist()]
+    documents = [" ".join(vocabulary[w] for w in row.tolist()) for row in words]
+    x = torch.tensor(TfidfVectorizer(vocabulary=vocabulary).fit_transform(documents).toarray(), dtype=torch.float32)
+    assert x.square().mean().sqrt() < 0.01  # what the RMS over every value says
+    net = nn.Sequential(nn.Linear(20_000, 32), nn.ReLU(), nn.Linear(32, 4))
+    assert fit(tmp_path, Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y)), steps=30, every=10) == []
