@@ -22,6 +22,7 @@ __all__ = [
     "Snapshot",
     "Thresholds",
     "dead_units",
+    "giant_steps",
     "gradient_spread",
     "nonfinite",
     "update_ratio",
@@ -255,6 +256,36 @@ def update_ratio(
         said = f"each optimizer step changes the weights of `{label(name)}` {said}"
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
     return found
+
+
+GIANT_STEP = 1e3
+"""An SGD step that changes a layer's weights by this many times their norm or more is an exploding gradient (a
+healthy step moves them by 1e-3 to 1e-2 of it; a full-batch regression's first steps at the edge of stability, by up
+to 1.4 times; a recurrent layer with weights 6 times too large, by 1e5 to 1e6 times)."""
+
+
+def giant_steps(snap: Snapshot, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+    """Layers that one SGD step moved by :data:`GIANT_STEP` times their weights' norm or more, step 0 included: an SGD
+    step is the gradient times the learning rate, so that gradient exploded (an RNN's, in one step: after it the layer
+    may be saturated for good, so the check cannot wait for ``patience`` logging steps). Not under an adaptive
+    optimizer, whose steps do not follow the gradient's size, nor for layers in ``skip`` (started at zero)."""
+    leaps = {
+        name: ratio
+        for name, ratio in snap.ratios.items()
+        if name not in snap.adaptive
+        and name not in skip
+        and snap.weights.get(name, 0.0) >= 1e-6
+        and ratio >= GIANT_STEP
+    }  # NaN compares false
+    if not leaps:
+        return []
+    worst = sorted(leaps, key=lambda n: -leaps[n])[:SHOWN_LAYERS]
+    said = (
+        f"one SGD step changed the weights of `{label(worst[0])}` by {leaps[worst[0]]:.3g} times their norm: the "
+        f"gradient exploded; clip gradients (`gradient_clip_val`, `GradClamp`), lower the learning rate, or start "
+        f"from smaller weights (recurrent weights above 1 make an RNN's gradient grow with the sequence)."
+    )
+    return [Evidence("exploding_gradients", tuple(label(n) for n in worst), leaps[worst[0]], GIANT_STEP, said)]
 
 
 def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:

@@ -19,6 +19,7 @@ from lightning_hooks.diagnose.checks import (
     Snapshot,
     Thresholds,
     dead_units,
+    giant_steps,
     gradient_spread,
     input_scale,
     no_learning,
@@ -165,6 +166,7 @@ class HealthTracker:
             persistent += [e for e in gradient_spread(snap, self.limits, skip) if e.check in on]
         if "exploding_gradients" in on:
             immediate += self._norm_growth(snap)
+            immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
             persistent += update_ratio(snap, self.limits, skip, scheduled)
         if "activation_growth" in on:

@@ -424,3 +424,36 @@ def test_tf_idf_features_are_sparse_not_small(tmp_path: Path) -> None:
     assert x.square().mean().sqrt() < 0.01  # what the RMS over every value says
     net = nn.Sequential(nn.Linear(20_000, 32), nn.ReLU(), nn.Linear(32, 4))
     assert fit(tmp_path, Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y)), steps=30, every=10) == []
+
+
+class Recurrent(pl.LightningModule):
+    """An ``nn.RNN`` over 60 steps whose recurrent weights are multiplied by ``scale``, under SGD."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.RNN(4, 32, batch_first=True), nn.Linear(32, 2)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.mul_(scale)
+        self.x = seeded(512, 60, 4)
+        self.y = (self.x[:, :5, 0].sum(1) > 0).long()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out, _ = self.rnn(batch[0])
+        return F.cross_entropy(self.head(out[:, -1]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=32, shuffle=True)
+
+
+@pytest.mark.parametrize(("scale", "expected"), [(6.0, [("exploding_gradients", ("rnn",), 0)]), (1.0, [])])
+def test_an_rnn_whose_gradient_explodes_in_its_first_step_is_named_at_once(
+    tmp_path: Path, scale: float, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # Its gradient norm is about 1e8 at step 0; the one SGD step saturates every tanh, and from then on the gradient
+    # is 0. Before, it was not named: the only finding, three logging steps later, told it to raise its learning rate.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, Recurrent(scale), steps=20, every=10)
+    assert [(f.check, f.layers, f.step) for f in found][:1] == expected
