@@ -339,7 +339,7 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 
 INPUT_SCALE = 100.0
-"""``input_scale`` names a batch tensor whose RMS is this many times above, or below, unit scale."""
+"""``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
 SATURATED = 0.5
 """``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
 ROWS_SUM_TO_ZERO = 1e-3
