@@ -385,12 +385,12 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     return [Evidence("no_learning", layers, 0.0, 0.0, said)]
 
 
-def saturation(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:
     """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and a
     softmax that is the model's last layer whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`):
     a loss such as ``cross_entropy`` took its probabilities for logits and squashed them again, so the gradient
     through this softmax saturates. A loss of the probabilities themselves (``nll_loss`` of their log, a
-    ``Categorical(probs=...)``) is not named."""
+    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning)."""
     found = []
     last = snap.executed[-1] if snap.executed else None
     if last in snap.softmax and snap.row_sums.get(last, math.inf) <= ROWS_SUM_TO_ZERO:
@@ -403,7 +403,7 @@ def saturation(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
     for name in snap.order:
         share = snap.saturated.get(name, 0.0)
-        if share >= SATURATED and name != last:
+        if share >= SATURATED and name != last and name not in learnt:
             said = (
                 f"{share:.0%} of the outputs of `{label(name)}` are within 0.1 % of their bounds: saturated units "
                 f"pass almost no gradient back; normalise the inputs, use a smaller initialisation, or give "

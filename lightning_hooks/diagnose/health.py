@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks import (
+    SATURATED,
     SETTLED,
     SHOWN_LAYERS,
     Evidence,
@@ -134,6 +135,7 @@ class HealthTracker:
         self._last_spike: tuple[int, Evidence] | None = None
         self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
         self._reference_loss: float | None = None
+        self._saturated_at_start: frozenset[str] | None = None  # the layers saturated at the first logging step
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
@@ -156,6 +158,7 @@ class HealthTracker:
                 self._zero_start.add(name)
         skip = frozenset(self._zero_start)
         scheduled = self._scheduled(snap)
+        settling, learning = self._settle(snap)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update: how the layers learn is not seen
         unseen = LEARNING if snap.skipped_at_scale is not None else frozenset()
@@ -170,13 +173,13 @@ class HealthTracker:
         if "update_ratio" in on and judged:
             persistent += update_ratio(snap, self.limits, skip, scheduled)
         if "activation_growth" in on:
-            persistent += self._activation_growth(snap)
+            persistent += self._activation_growth(snap, settling, learning)
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
             immediate += self._loss_spikes(snap)
         if "saturation" in on:
-            persistent += saturation(snap, self.limits)
+            persistent += self._saturation(snap, learning)
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits)
         if "no_learning" in on:
@@ -305,15 +308,27 @@ class HealthTracker:
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
-    def _activation_growth(self, snap: Snapshot) -> list[Evidence]:
-        """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
-        settled (the first logging step from step :data:`SETTLED`) while the loss did not fall since."""
-        limit = self.limits.activation_growth
+    def _settle(self, snap: Snapshot) -> tuple[bool, bool]:
+        """Whether the run settles at this logging step (the first from step :data:`SETTLED`, whose median loss
+        becomes the reference), and whether it is learning: its loss below that reference."""
         loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
         settling = snap.step >= SETTLED and self._reference_loss is None
         if settling:
             self._reference_loss = loss
-        learning = loss < self._reference_loss if self._reference_loss is not None else False
+        return settling, loss < self._reference_loss if self._reference_loss is not None else False
+
+    def _saturation(self, snap: Snapshot, learning: bool) -> list[Evidence]:
+        """:func:`saturation`, but not of a layer that saturated while the loss fell (a sharp attention that solved its
+        task), unless it was saturated from the first logging step on (weights too large from the start)."""
+        if self._saturated_at_start is None and snap.saturated:
+            self._saturated_at_start = frozenset(n for n, share in snap.saturated.items() if share >= SATURATED)
+        learnt = frozenset(snap.saturated) - (self._saturated_at_start or frozenset()) if learning else frozenset()
+        return saturation(snap, self.limits, learnt)
+
+    def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool) -> list[Evidence]:
+        """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
+        settled (see :meth:`_settle`) while the loss did not fall since."""
+        limit = self.limits.activation_growth
         found = []
         top = 0.0
         for name in snap.order:
