@@ -26,6 +26,7 @@ __all__ = [
     "gradient_spread",
     "nonfinite",
     "update_ratio",
+    "zero_loss",
 ]
 
 MIN_SAMPLES = 8
@@ -370,11 +371,19 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     return found
 
 
+def zero_loss(snap: Snapshot) -> bool:
+    """Whether the logging step's own loss was exactly zero (a hinge or margin loss met by every sample)."""
+    return any(step == snap.step and loss == 0 for step, loss in snap.losses)
+
+
 def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Every parameter gradient exactly zero: nothing learns. Named after the output layer, where the gradient
-    should have entered."""
+    should have entered. Not when the step's loss is exactly zero too: a hinge or margin loss whose batch meets
+    every margin has nothing left to learn from it."""
     grads = [s for s in snap.grads.values() if s.numel]
     if not snap.gradless and (not grads or any(s.abs_sum != 0 or s.nonfinite for s in grads)):
+        return []
+    if zero_loss(snap):
         return []
     layers = tuple(label(n) for n in snap.executed[-1:]) or ("root",)
     said = (

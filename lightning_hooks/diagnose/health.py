@@ -28,6 +28,7 @@ from lightning_hooks.diagnose.checks import (
     saturation,
     silent_units,
     update_ratio,
+    zero_loss,
 )
 from lightning_hooks.stats.state import State
 
@@ -160,8 +161,9 @@ class HealthTracker:
         scheduled = self._scheduled(snap)
         settling, learning = self._settle(snap)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
-        # a step the GradScaler skipped has overflowing gradients and no update: how the layers learn is not seen
-        unseen = LEARNING if snap.skipped_at_scale is not None else frozenset()
+        # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
+        # nothing to learn from: how the layers learn is not seen
+        unseen = LEARNING if snap.skipped_at_scale is not None or zero_loss(snap) else frozenset()
         judged = not stalled and not unseen
         if "dead_units" in on:
             immediate += self._dead_units(snap)

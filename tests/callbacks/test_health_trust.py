@@ -523,3 +523,17 @@ def test_attention_that_became_one_hot_by_solving_its_task_is_not_saturation(tmp
         model.training_step([model.x[:256]], 0)
     handle.remove()
     assert (rows[0] > 0.999).float().mean() > 0.5  # it is saturated, as the check counts it
+
+
+def test_a_hinge_loss_that_meets_every_margin_of_a_batch_is_not_no_learning(tmp_path: Path) -> None:
+    # A linear SVM on scikit-learn's breast cancer data, `multi_margin_loss` under SGD: once a batch meets every
+    # margin its loss is exactly 0, and so is every gradient. Before, that step was `no_learning`.
+    from sklearn.datasets import load_breast_cancer
+
+    pl.seed_everything(0, verbose=False)
+    data = load_breast_cancer()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x, y = (x - x.mean(0)) / x.std(0), torch.tensor(data.target)
+    model = Fit(nn.Linear(30, 2), x, y, lambda m, x, y: F.multi_margin_loss(m(x), y), sgd=True, lr=0.05)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    assert fit(tmp_path, model, steps=300, every=10) == []
