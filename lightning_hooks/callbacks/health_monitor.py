@@ -270,6 +270,8 @@ class HealthMonitor(StatsCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._ring is not None:
             self._ring.loss(self._step_now(), loss)
+        if "saturation" in self.checks and self._batch.open:
+            self._units.watch_last_softmax()
 
     @override
     def on_before_optimizer_step(
@@ -318,6 +320,7 @@ class HealthMonitor(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
+        self._units.last_softmax = None  # a forward that no backward followed: not kept past the step
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         scale = loss_scale(self._scaler)  # as updated after the step
         if self._overflow and scale is not None:

@@ -95,9 +95,10 @@ class UnitRecorder:
     as they first ran. A module that also runs on outputs of another width (SegFormer applies one dropout after two
     layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
     Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
-    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``; a softmax
-    also sums the gradient its output gets, ``[Σ_rows |Σ_row g|, Σ |g|]`` under ``("rowsum", <layer>)``: zero
-    rows sums mean the loss handled its probabilities as logits, as ``cross_entropy`` does.
+    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``. When the last
+    module to run is a softmax, :meth:`watch_last_softmax` sums the gradient its output gets, ``[Σ_rows |Σ_row g|,
+    Σ |g|]`` under ``("rowsum", <layer>)``: zero row sums mean the loss took its probabilities for logits, as
+    ``cross_entropy`` does.
 
     Example::
 
@@ -122,11 +123,21 @@ class UnitRecorder:
         self.widths: dict[tuple[str, str], int] = {}
         """The unit count of each per-unit key since :meth:`start`."""
         self.saturable: dict[str, int] = {}
+        self.last_softmax: tuple[str, torch.Tensor, int] | None = None
+        """The latest softmax output that requires a gradient: its layer, the tensor and the softmax's dimension."""
         self.prepend = False
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable = {}, {}, {}, {}
+        self.last_softmax = None
+
+    def watch_last_softmax(self) -> None:
+        """Before backward: if the last module to run was a softmax, sum the gradient its output gets (only the
+        model's last softmax is judged by it, so an attention's are left alone)."""
+        found, self.last_softmax = self.last_softmax, None
+        if found is not None and self.order and next(reversed(self.order)) == found[0]:
+            found[1].register_hook(_RowSums(self.batch, found[0], found[2]))
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = []
@@ -182,7 +193,7 @@ def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, outpu
         dim = module.dim if module.dim is not None else -1
         gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
         if output.requires_grad and not is_sharded(output):
-            output.register_hook(_RowSums(recorder.batch, name, dim))
+            recorder.last_softmax = (name, output, dim)  # autograd keeps a softmax's output for backward anyway
     else:
         gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
     recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
