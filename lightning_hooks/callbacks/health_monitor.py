@@ -285,7 +285,8 @@ class HealthMonitor(StatsCallback):
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if (layer := self._layer_of.get(id(p))) is not None:
-                        self._lrs[layer] = max(self._lrs.get(layer, 0.0), float(group["lr"]))
+                        lr, before = _learning_rate(group), self._lrs.get(layer)
+                        self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
             if not isinstance(optimizer, torch.optim.SGD):
                 stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
                 self._adaptive.update(layer for layer in stepped if layer is not None)
@@ -429,6 +430,13 @@ class HealthMonitor(StatsCallback):
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
+
+
+def _learning_rate(group: dict[str, Any]) -> float:
+    """A parameter group's learning rate; NaN where the optimizer sets its own (Adafactor's ``relative_step``
+    leaves ``lr=None``)."""
+    lr = group.get("lr")
+    return math.nan if lr is None else float(lr)
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:

@@ -76,7 +76,7 @@ class Snapshot:
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
     softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
     row_sums: dict[str, float] = field(default_factory=dict)  # per softmax its gradient, Σ |row sums| / Σ |g|
-    lrs: dict[str, float] = field(default_factory=dict)  # per layer, its parameter group's learning rate
+    lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
 
@@ -211,7 +211,10 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
 
 
 def update_ratio(
-    snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset(), scheduled: frozenset[str] = frozenset()
+    snap: Snapshot,
+    limits: Thresholds,
+    skip: frozenset[str] = frozenset(),
+    scheduled: frozenset[str] = frozenset(),
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
@@ -219,8 +222,8 @@ def update_ratio(
 
     Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
     :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
-    ``scheduled`` (their learning rate warming up or decaying) are not judged below the range: their steps are small
-    by design.
+    ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
+    range: their steps are small by design.
     """
     if snap.step == 0:
         return []
@@ -234,7 +237,7 @@ def update_ratio(
         and not (name in snap.adaptive and snap.step < SETTLED)
     }
     peers = peer_medians(judged) if judged else {}
-    lrs = {name: lr for name, lr in snap.lrs.items() if name in judged}
+    lrs = {name: lr for name, lr in snap.lrs.items() if name in judged and math.isfinite(lr)}
     lr_peers = peer_medians(lrs) if lrs else {}
     found = []
     for name, ratio in judged.items():

@@ -159,7 +159,8 @@ class HealthTracker:
                 self._zero_start.add(name)
         skip = frozenset(self._zero_start)
         scheduled = self._scheduled(snap)
-        settling, learning = self._settle(snap)
+        loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
+        settling, learning = self._settle(snap, loss)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
         # nothing to learn from: how the layers learn is not seen
@@ -212,8 +213,8 @@ class HealthTracker:
         return new
 
     def _scheduled(self, snap: Snapshot) -> frozenset[str]:
-        """The layers whose learning rate changed since the previous logging step or is below its peak: a warm-up or
-        a decay in progress."""
+        """The layers whose learning rate changed since the previous logging step or is below its peak (a warm-up or
+        a decay in progress), or is the optimizer's own (NaN: Adafactor's relative step)."""
         scheduled = frozenset(
             name
             for name, lr in snap.lrs.items()
@@ -310,10 +311,9 @@ class HealthTracker:
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
-    def _settle(self, snap: Snapshot) -> tuple[bool, bool]:
-        """Whether the run settles at this logging step (the first from step :data:`SETTLED`, whose median loss
+    def _settle(self, snap: Snapshot, loss: float) -> tuple[bool, bool]:
+        """Whether the run settles at this logging step (the first from step :data:`SETTLED`, whose median ``loss``
         becomes the reference), and whether it is learning: its loss below that reference."""
-        loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
         settling = snap.step >= SETTLED and self._reference_loss is None
         if settling:
             self._reference_loss = loss

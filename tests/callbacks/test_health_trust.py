@@ -537,3 +537,16 @@ def test_a_hinge_loss_that_meets_every_margin_of_a_batch_is_not_no_learning(tmp_
     model = Fit(nn.Linear(30, 2), x, y, lambda m, x, y: F.multi_margin_loss(m(x), y), sgd=True, lr=0.05)
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
     assert fit(tmp_path, model, steps=300, every=10) == []
+
+
+def test_t5_under_adafactor_that_sets_its_own_learning_rate_makes_no_finding(tmp_path: Path) -> None:
+    # T5's usual recipe: transformers' Adafactor with `lr=None`, its relative step warming up from 1e-6. Before, the
+    # monitor stopped the fit reading that `None` as a number.
+    from transformers.optimization import Adafactor
+
+    pl.seed_everything(0, verbose=False)
+    model = third_party("t5")
+    model.configure_optimizers = lambda: Adafactor(  # type: ignore[method-assign]
+        model.parameters(), lr=None, relative_step=True, warmup_init=True, scale_parameter=True
+    )
+    assert fit(tmp_path, model, steps=40, every=2) == []
