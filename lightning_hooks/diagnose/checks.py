@@ -13,6 +13,7 @@ from lightning_hooks.core.select import label
 from lightning_hooks.stats.state import State
 
 __all__ = [
+    "CONVERGED",
     "Evidence",
     "input_scale",
     "no_learning",
@@ -215,6 +216,7 @@ def update_ratio(
     limits: Thresholds,
     skip: frozenset[str] = frozenset(),
     scheduled: frozenset[str] = frozenset(),
+    converged: bool = False,
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
@@ -223,7 +225,8 @@ def update_ratio(
     Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
     :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
     ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
-    range: their steps are small by design.
+    range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
+    :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none.
     """
     if snap.step == 0:
         return []
@@ -249,7 +252,7 @@ def update_ratio(
                 f"by {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): the learning rate is too high for it; "
                 f"lower it (its parameter group's), or add warm-up."
             )
-        elif ratio < limits.update_ratio_low and name not in scheduled:
+        elif ratio < limits.update_ratio_low and name not in scheduled and not converged:
             threshold = limits.update_ratio_low
             said = (
                 f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "
@@ -261,6 +264,9 @@ def update_ratio(
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
     return found
 
+
+CONVERGED = 1e3
+"""A run whose loss fell this many times below its first logging step's has fit its data: its steps may be tiny."""
 
 GIANT_STEP = 1e3
 """An SGD step that changes a layer's weights by this many times their norm or more is an exploding gradient (a

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks import (
+    CONVERGED,
     SATURATED,
     SETTLED,
     SHOWN_LAYERS,
@@ -136,6 +137,7 @@ class HealthTracker:
         self._last_spike: tuple[int, Evidence] | None = None
         self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
         self._reference_loss: float | None = None
+        self._first_loss: float | None = None  # the median loss of the first logging step
         self._saturated_at_start: frozenset[str] | None = None  # the layers saturated at the first logging step
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
@@ -161,6 +163,9 @@ class HealthTracker:
         scheduled = self._scheduled(snap)
         loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
         settling, learning = self._settle(snap, loss)
+        if self._first_loss is None and math.isfinite(loss):
+            self._first_loss = loss
+        converged = self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
         # nothing to learn from: how the layers learn is not seen
@@ -174,7 +179,7 @@ class HealthTracker:
             immediate += self._norm_growth(snap)
             immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
-            persistent += update_ratio(snap, self.limits, skip, scheduled)
+            persistent += update_ratio(snap, self.limits, skip, scheduled, converged)
         if "activation_growth" in on:
             persistent += self._activation_growth(snap, settling, learning)
         if "nonfinite" in on:

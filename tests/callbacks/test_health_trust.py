@@ -550,3 +550,19 @@ def test_t5_under_adafactor_that_sets_its_own_learning_rate_makes_no_finding(tmp
         model.parameters(), lr=None, relative_step=True, warmup_init=True, scale_parameter=True
     )
     assert fit(tmp_path, model, steps=40, every=2) == []
+
+
+def test_an_lbfgs_fit_that_met_its_tolerance_is_not_told_to_raise_its_learning_rate(tmp_path: Path) -> None:
+    # Full-batch L-BFGS on iris: the loss falls from 0.4 to 1e-7 within 60 steps; from then on L-BFGS finds the
+    # gradient below its tolerance and takes no step at all. Before, every layer was told it barely learns.
+    from sklearn.datasets import load_iris
+
+    pl.seed_everything(0, verbose=False)
+    iris = load_iris()
+    x = torch.tensor(iris.data, dtype=torch.float32)
+    x, y = (x - x.mean(0)) / x.std(0), torch.tensor(iris.target)
+    net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=150)  # type: ignore[method-assign]
+    model.configure_optimizers = lambda: torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)  # type: ignore[method-assign]
+    assert fit(tmp_path, model, steps=100, every=10) == []
