@@ -28,7 +28,7 @@ from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks.sinks.sink import echo
 from lightning_hooks.stats.batch import Fetched
-from lightning_hooks.stats.state import STATS, State, combine
+from lightning_hooks.stats.state import STATS, State, combine, input_sums
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -256,9 +256,8 @@ class HealthMonitor(StatsCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
             for path, t in named_tensors(batch):
-                if t.is_floating_point() and t.numel():  # the sum of squares and the count of non-zero values
-                    x = t.detach().float()
-                    self._batch.add_vector(("input", path), torch.stack([x.square().sum(), x.count_nonzero().float()]))
+                if t.is_floating_point() and t.numel():
+                    self._batch.add_vector(("input", path), input_sums(t))
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -412,7 +411,9 @@ class HealthMonitor(StatsCallback):
             gradless=bool(self._gradless),
             skipped_at_scale=scale if overflow > 0 else None,
             weight_sizes=self._sizes,
-            inputs={k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input"},
+            inputs={  # not an additive mask in every micro-batch (its fills all alike)
+                k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]
+            },
             saturated={
                 label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
                 for k, v in vectors.items()

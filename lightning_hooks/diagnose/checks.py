@@ -73,7 +73,7 @@ class Snapshot:
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
     adaptive: frozenset[str] = frozenset()  # layers an adaptive optimizer (anything but SGD) updates
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
-    inputs: dict[str, float] = field(default_factory=dict)  # per floating batch tensor (path), its non-zeros' RMS
+    inputs: dict[str, float] = field(default_factory=dict)  # per batch tensor but masks (path), finite non-zeros' RMS
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
     softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
     row_sums: dict[str, float] = field(default_factory=dict)  # per softmax its gradient, Σ |row sums| / Σ |g|

@@ -19,6 +19,7 @@ __all__ = [
     "derive",
     "derive_table",
     "flat_pieces",
+    "input_sums",
     "nonfinite_count",
     "norm_total",
     "pool",
@@ -227,3 +228,25 @@ def abs_mean(state: State) -> float:
 def norm_total(states: Iterable[State]) -> float:
     """The 2-norm of all the tensors behind ``states`` together (``grad_norm_total``)."""
     return math.sqrt(math.fsum(max(s.sum_sq, 0.0) for s in states))
+
+
+def input_sums(t: torch.Tensor) -> torch.Tensor:
+    """``[Σx², count, fill, 1]`` over a batch tensor's finite non-zero values, added up over micro-batches and
+    processes: their RMS is ``sqrt(Σx² / count)``, and ``fill == 1`` (one per tensor added) marks an additive mask,
+    whose non-zero values are all one negative number (``-inf``, ``-1e9``, the dtype's lowest).
+
+    Example::
+
+        >>> input_sums(torch.tensor([0.0, 3.0, -4.0])).tolist()
+        [25.0, 2.0, 0.0, 1.0]
+        >>> input_sums(torch.tensor([0.0, 0.0, float("-inf")])).tolist()
+        [0.0, 0.0, 1.0, 1.0]
+    """
+    x = t.detach().float()
+    nonzero = x != 0
+    lowest, highest = torch.where(nonzero, x, math.inf).amin(), torch.where(nonzero, x, -math.inf).amax()
+    fill = (lowest == highest) & (highest < 0)
+    x = torch.where(x.isfinite(), x, 0.0)
+    return torch.stack(
+        [x.square().sum(), x.count_nonzero().float(), fill.float(), torch.ones_like(fill, dtype=x.dtype)]
+    )

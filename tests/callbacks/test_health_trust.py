@@ -566,3 +566,39 @@ def test_an_lbfgs_fit_that_met_its_tolerance_is_not_told_to_raise_its_learning_r
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=150)  # type: ignore[method-assign]
     model.configure_optimizers = lambda: torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)  # type: ignore[method-assign]
     assert fit(tmp_path, model, steps=100, every=10) == []
+
+
+class PaddedTokens(pl.LightningModule):
+    """A transformer encoder on padded token sequences whose batches carry an additive padding mask (0 where a token
+    is, ``fill`` where padding is), as a collate function builds it."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 2)
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 13, (512,), generator=generator)
+        padding = torch.arange(12) >= lengths[:, None]
+        self.tokens = torch.randint(1, 20, (512, 12), generator=generator).masked_fill(padding, 0)
+        self.mask = torch.zeros(512, 12).masked_fill(padding, fill)
+        self.labels = ((self.tokens > 10).sum(1) > lengths / 2).long()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, mask, labels = batch
+        hidden = self.encoder(self.embed(tokens), src_key_padding_mask=mask)
+        return F.cross_entropy(self.head(hidden[:, 0]), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.tokens, self.mask, self.labels), batch_size=32, shuffle=True)
+
+
+@pytest.mark.parametrize("fill", [-math.inf, -1e9, torch.finfo(torch.float32).min])
+def test_an_additive_padding_mask_in_the_batch_is_not_an_input_scale(tmp_path: Path, fill: float) -> None:
+    # Before, its -inf made an RMS of inf, and its -1e9 one of 1e9: "standardise the inputs".
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, PaddedTokens(fill), steps=40, every=5) == []
