@@ -38,6 +38,7 @@ __all__ = ["HealthMonitor"]
 
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
 
@@ -162,6 +163,7 @@ class HealthMonitor(StatsCallback):
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._gradless: bool | None = None
         self._softmax: frozenset[str] = frozenset()
+        self._channelwise: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
@@ -219,6 +221,7 @@ class HealthMonitor(StatsCallback):
         for name, n in self._numel.items():
             self._sizes[self._owner[name]] = self._sizes.get(self._owner[name], 0) + n
         self._softmax = frozenset(label(name) for name, m in self._leaves if isinstance(m, torch.nn.Softmax))
+        self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
@@ -327,6 +330,8 @@ class HealthMonitor(StatsCallback):
             self._batch.add_vector(
                 ("scaler", "overflow"), torch.stack([torch.stack(self._overflow).sum(), scale.reshape(())])
             )
+        if self._watch_outputs and "dead_units" in self.checks:
+            self._add_pruned()
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
@@ -344,6 +349,14 @@ class HealthMonitor(StatsCallback):
             )
         affected = self._tracker.affected
         self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
+
+    def _add_pruned(self) -> None:
+        """Per leaf pruned by ``torch.nn.utils.prune`` (a ``weight_mask`` buffer, as Lightning's ``ModelPruning``
+        leaves it during the fit), which output units have every weight masked; masks change as pruning goes on."""
+        for name, module in self._leaves:
+            mask = getattr(module, "weight_mask", None)
+            if isinstance(mask, torch.Tensor) and mask.dim() > 1 and not getattr(module, "transposed", False):
+                self._batch.add_vector(("pruned", name), (mask.reshape(len(mask), -1) == 0).all(1).float())
 
     def _snapshot(
         self, fetched: Fetched, step: int, ring_steps: list[int], with_norms: set[int], trainer: pl.Trainer
@@ -410,6 +423,8 @@ class HealthMonitor(StatsCallback):
             lrs=self._lrs,
             gradless=bool(self._gradless),
             skipped_at_scale=scale if overflow > 0 else None,
+            pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
+            channelwise=self._channelwise,
             weight_sizes=self._sizes,
             inputs={  # not an additive mask in every micro-batch (its fills all alike)
                 k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]

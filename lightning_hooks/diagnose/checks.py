@@ -26,6 +26,7 @@ __all__ = [
     "giant_steps",
     "gradient_spread",
     "nonfinite",
+    "pruned_away",
     "update_ratio",
     "zero_loss",
 ]
@@ -80,6 +81,8 @@ class Snapshot:
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
+    pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
+    channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,30 @@ class Evidence:
 
 def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
     """Per layer with enough samples (:data:`MIN_SAMPLES` values per unit), which output units were zero for every
-    sample of this step."""
+    sample of this step, leaving out the units a pruning mask removed (:func:`pruned_away`)."""
     found = {}
+    away = pruned_away(snap)
     for name, counts in snap.units.items():
         act = snap.activations.get(name)
         if counts and act is not None and act.numel / len(counts) >= MIN_SAMPLES:
-            found[name] = list(map(operator.not_, counts))  # `c == 0` (NaN is not), at C speed: 100 k units a step
+            flags = list(map(operator.not_, counts))  # `c == 0` (NaN is not), at C speed: 100 k units a step
+            gone = away.get(name)
+            found[name] = flags if gone is None else [f for f, g in zip(flags, gone, strict=True) if not g]
+    return found
+
+
+def pruned_away(snap: Snapshot) -> dict[str, list[bool]]:
+    """Per layer, which of its units were pruned away (``torch.nn.utils.prune``, Lightning's ``ModelPruning``): all
+    the weights into them are masked in it or in the last layer with weights that ran before it, looking through
+    :attr:`Snapshot.channelwise` layers (a convolution's pruned channel goes through its batch norm and ReLU)."""
+    found: dict[str, list[bool]] = {}
+    feeder: str | None = None
+    for name in snap.executed:
+        if name in snap.leaves_with_params and name not in snap.channelwise:
+            feeder = name
+        gone = snap.pruned.get(feeder) if feeder is not None else None
+        if gone is not None and len(gone) == len(snap.units.get(name, ())):
+            found[name] = gone
     return found
 
 

@@ -602,3 +602,41 @@ def test_an_additive_padding_mask_in_the_batch_is_not_an_input_scale(tmp_path: P
     # Before, its -inf made an RMS of inf, and its -1e9 one of 1e9: "standardise the inputs".
     pl.seed_everything(0, verbose=False)
     assert fit(tmp_path, PaddedTokens(fill), steps=40, every=5) == []
+
+
+def digits_cnn(batch_norm: bool, bias: float = 0.0) -> Fit:
+    """A two-convolution CNN on scikit-learn's digits, its second convolution's bias at ``bias``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16, torch.tensor(digits.target)
+    norm: Callable[[int], list[nn.Module]] = (lambda c: [nn.BatchNorm2d(c)]) if batch_norm else (lambda c: [])
+    first, second = nn.Conv2d(1, 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1)
+    nn.init.constant_(second.bias, bias)
+    net = nn.Sequential(first, *norm(16), nn.ReLU(), second, *norm(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+    model = Fit(nn.Sequential(*net, nn.Flatten(), nn.Linear(32, 10)), x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    return model
+
+
+@pytest.mark.parametrize(
+    ("batch_norm", "bias", "expected"),
+    [(False, 0.0, []), (True, 0.0, []), (False, -10.0, [("dead_units", ("net.3",))])],
+    ids=["pruned", "pruned, batch norm", "pruned, and a ReLU behind a bias of -10"],
+)
+def test_channels_that_lightning_model_pruning_removed_are_not_dead_units(
+    tmp_path: Path, batch_norm: bool, bias: float, expected: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    # Lightning's ModelPruning removes a quarter of each convolution's channels (L2 structured) at the end of epochs
+    # 1 and 2. Before, the ReLUs behind them were told their pruned channels were dead.
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pl.seed_everything(0, verbose=False)
+    model = digits_cnn(batch_norm, bias)
+    convs = [(m, "weight") for m in model.net.modules() if isinstance(m, nn.Conv2d)]
+    pruning = ModelPruning(
+        "ln_structured", convs, amount=0.25, apply_pruning=lambda epoch: epoch in (1, 2), pruning_dim=0,
+        pruning_norm=2, use_global_unstructured=False, verbose=0,
+    )  # fmt: skip
+    found = fit(tmp_path, model, steps=250, every=10, also=[pruning])
+    assert [(f.check, f.layers) for f in found] == expected
