@@ -38,6 +38,7 @@ __all__ = ["HealthMonitor"]
 
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
+SQUASHING = (torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Softmax)
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
@@ -162,7 +163,7 @@ class HealthMonitor(StatsCallback):
         self._grads = ParamGradRecorder(self._batch, update_ratio=judges_learning, weight_norms=True, observe=False)
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._gradless: bool | None = None
-        self._softmax: frozenset[str] = frozenset()
+        self._squashing: dict[str, str] = {}
         self._channelwise: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._leaves: list[tuple[str, nn.Module]] = []
@@ -220,7 +221,9 @@ class HealthMonitor(StatsCallback):
         self._sizes: dict[str, int] = {}  # parameter values per layer
         for name, n in self._numel.items():
             self._sizes[self._owner[name]] = self._sizes.get(self._owner[name], 0) + n
-        self._softmax = frozenset(label(name) for name, m in self._leaves if isinstance(m, torch.nn.Softmax))
+        self._squashing = {
+            label(name): type(m).__name__.lower() for name, m in self._leaves if isinstance(m, SQUASHING)
+        }
         self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
@@ -273,7 +276,7 @@ class HealthMonitor(StatsCallback):
         if self._ring is not None:
             self._ring.loss(self._step_now(), loss)
         if "saturation" in self.checks and self._batch.open:
-            self._units.watch_last_softmax()
+            self._units.watch_last_squashed()
 
     @override
     def on_before_optimizer_step(
@@ -323,7 +326,7 @@ class HealthMonitor(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
-        self._units.last_softmax = None  # a forward that no backward followed: not kept past the step
+        self._units.last_squashed = None  # a forward that no backward followed: not kept past the step
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         scale = loss_scale(self._scaler)  # as updated after the step
         if self._overflow and scale is not None:
@@ -419,7 +422,7 @@ class HealthMonitor(StatsCallback):
             order=[*executed, *(name for name in self._order if name not in set(executed))],
             executed=executed,
             adaptive=frozenset(self._adaptive),
-            softmax=self._softmax,
+            squashing=self._squashing,
             lrs=self._lrs,
             gradless=bool(self._gradless),
             skipped_at_scale=scale if overflow > 0 else None,

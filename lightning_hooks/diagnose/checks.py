@@ -76,8 +76,8 @@ class Snapshot:
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
     inputs: dict[str, float] = field(default_factory=dict)  # per batch tensor but masks (path), finite non-zeros' RMS
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
-    softmax: frozenset[str] = frozenset()  # the nn.Softmax layers
-    row_sums: dict[str, float] = field(default_factory=dict)  # per softmax its gradient, Σ |row sums| / Σ |g|
+    squashing: dict[str, str] = field(default_factory=dict)  # per sigmoid, tanh and softmax layer: which
+    row_sums: dict[str, float] = field(default_factory=dict)  # the output layer's gradient: Σ |row sums| / Σ |g|
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
@@ -374,9 +374,9 @@ INPUT_SCALE = 100.0
 SATURATED = 0.5
 """``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
 ROWS_SUM_TO_ZERO = 1e-3
-"""A softmax's gradient sums to zero over each row, up to this share of its magnitude: its probabilities went into
-a loss that applies a softmax of its own (exactly zero but for rounding; a loss of the probabilities themselves,
-such as the NLL of their log, sums to its whole magnitude)."""
+"""An output layer's gradient sums to zero over each row, up to this share of its magnitude: its outputs went into a
+loss that applies a softmax of its own (exactly zero but for rounding; a loss of a softmax's probabilities
+themselves, such as the NLL of their log, sums to its whole magnitude)."""
 
 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
@@ -425,20 +425,30 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 
 def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:
-    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and a
-    softmax that is the model's last layer whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`):
-    a loss such as ``cross_entropy`` took its probabilities for logits and squashed them again, so the gradient
-    through this softmax saturates. A loss of the probabilities themselves (``nll_loss`` of their log, a
-    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning)."""
+    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and one of
+    them that is the model's last layer and whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`): a
+    loss such as ``cross_entropy`` took its outputs for logits and applies a softmax of its own, so a softmax's
+    gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's confidence. A loss of a
+    softmax's probabilities themselves (``nll_loss`` of their log, a ``Categorical(probs=...)``) is not named, nor
+    are the layers in ``learnt`` (saturated by learning)."""
     found = []
-    last = snap.executed[-1] if snap.executed else None
-    if last in snap.softmax and snap.row_sums.get(last, math.inf) <= ROWS_SUM_TO_ZERO:
-        said = (
-            f"the model's output comes from the softmax `{label(last)}`, and the loss took its probabilities for "
-            f"logits (their gradient sums to zero over each row, as `cross_entropy`'s does): it applies a softmax "
-            f"of its own, so the gradient through this one saturates and learning crawls; give `cross_entropy` the "
-            f"logits (or end with `nn.LogSoftmax` and use `nll_loss`)."
-        )
+    last = snap.executed[-1] if snap.executed else ""
+    kind = snap.squashing.get(last, "")
+    if kind and snap.row_sums.get(last, math.inf) <= ROWS_SUM_TO_ZERO:
+        said = f"the model's output comes from the {kind} `{label(last)}`, and the loss took its "
+        if kind == "softmax":
+            said += (
+                "probabilities for logits (their gradient sums to zero over each row, as `cross_entropy`'s does): it "
+                "applies a softmax of its own, so the gradient through this one saturates and learning crawls; give "
+                "`cross_entropy` the logits (or end with `nn.LogSoftmax` and use `nll_loss`)."
+            )
+        else:
+            bounds = "(0, 1)" if kind == "sigmoid" else "(-1, 1)"
+            said += (
+                f"outputs for logits (their gradient sums to zero over each row, as `cross_entropy`'s does): logits "
+                f"bounded to {bounds} cap how confident any prediction can be, and the {kind} saturates as the model "
+                f"pushes against them; give the loss the unbounded logits (remove the {kind})."
+            )
         found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
     for name in snap.order:
         share = snap.saturated.get(name, 0.0)

@@ -96,8 +96,8 @@ class UnitRecorder:
     layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
     Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
     softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``. When the last
-    module to run is a softmax, :meth:`watch_last_softmax` sums the gradient its output gets, ``[Σ_rows |Σ_row g|,
-    Σ |g|]`` under ``("rowsum", <layer>)``: zero row sums mean the loss took its probabilities for logits, as
+    module to run is one of them, :meth:`watch_last_squashed` sums the gradient its output gets, ``[Σ_rows |Σ_row g|,
+    Σ |g|]`` under ``("rowsum", <layer>)``: zero row sums mean the loss took its outputs for logits, as
     ``cross_entropy`` does.
 
     Example::
@@ -123,19 +123,20 @@ class UnitRecorder:
         self.widths: dict[tuple[str, str], int] = {}
         """The unit count of each per-unit key since :meth:`start`."""
         self.saturable: dict[str, int] = {}
-        self.last_softmax: tuple[str, torch.Tensor, int] | None = None
-        """The latest softmax output that requires a gradient: its layer, the tensor and the softmax's dimension."""
+        self.last_squashed: tuple[str, torch.Tensor, int] | None = None
+        """The latest sigmoid, tanh or softmax output that requires a gradient: its layer, the tensor and the dimension
+        of its rows."""
         self.prepend = False
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable = {}, {}, {}, {}
-        self.last_softmax = None
+        self.last_squashed = None
 
-    def watch_last_softmax(self) -> None:
-        """Before backward: if the last module to run was a softmax, sum the gradient its output gets (only the
-        model's last softmax is judged by it, so an attention's are left alone)."""
-        found, self.last_softmax = self.last_softmax, None
+    def watch_last_squashed(self) -> None:
+        """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
+        (only the model's output layer is judged by it, so an attention's softmax is left alone)."""
+        found, self.last_squashed = self.last_squashed, None
         if found is not None and self.order and next(reversed(self.order)) == found[0]:
             found[1].register_hook(_RowSums(self.batch, found[0], found[2]))
 
@@ -192,16 +193,17 @@ def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, outpu
     if isinstance(module, nn.Softmax):
         dim = module.dim if module.dim is not None else -1
         gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
-        if output.requires_grad and not is_sharded(output):
-            recorder.last_softmax = (name, output, dim)  # autograd keeps a softmax's output for backward anyway
     else:
+        dim = -1
         gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
+    if output.requires_grad and not is_sharded(output):
+        recorder.last_squashed = (name, output, dim)  # autograd keeps all three's outputs for backward anyway
     recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
     recorder.saturable[name] = recorder.saturable.get(name, 0) + n
 
 
 class _RowSums:
-    """A softmax output's gradient hook: adds ``[Σ_rows |Σ_row g|, Σ |g|]`` to the batch, the gradient unchanged."""
+    """A squashed output's gradient hook: adds ``[Σ_rows |Σ_row g|, Σ |g|]`` to the batch, the gradient unchanged."""
 
     def __init__(self, batch: StatBatch, name: str, dim: int) -> None:
         self.batch, self.name, self.dim = batch, name, dim

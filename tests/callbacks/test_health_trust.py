@@ -319,6 +319,27 @@ def test_a_model_ending_in_a_softmax_is_named_only_when_the_loss_applies_a_softm
     assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
 
 
+@pytest.mark.parametrize(
+    ("last", "loss", "expected"),
+    [
+        (nn.Tanh(), probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),
+        (nn.Sigmoid(), probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),
+        (nn.Sigmoid(), probabilities(lambda p, y: F.binary_cross_entropy(p, F.one_hot(y, 3).float())), []),
+        (nn.Tanh(), probabilities(lambda z, y: F.mse_loss(z, F.one_hot(y, 3).float() * 1.6 - 0.8)), []),
+    ],
+    ids=["tanh, cross_entropy", "sigmoid, cross_entropy", "sigmoid, multi-label bce", "tanh, regression"],
+)
+def test_a_tanh_or_sigmoid_on_the_logits_of_cross_entropy_is_named(
+    tmp_path: Path, last: nn.Module, loss: Loss, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # Logits squashed into (-1, 1) or (0, 1) cap every prediction's confidence: over 3 classes, at e²/(e² + 2) = 0.79
+    # and e/(e + 2) = 0.58. Before, the output layer was never judged, so nothing was said.
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, 3), last))
+    model.loss = loss
+    assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
+
+
 class Scheduled(pl.LightningModule):
     """``model`` under AdamW at ``lr`` with transformers' linear warm-up over ``warmup`` steps and decay to zero at
     ``total`` (``warmup=None``: a flat learning rate), stepped every optimizer step."""
