@@ -145,8 +145,9 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
     rank_zero_warn(
         f"lightning_hooks ({', '.join(recorded.owners)}): {len(silent)} selected module(s) never ran in any training "
         f"step they recorded in this fit, so there is nothing to show for them: {shown}. {compile_hint}Other causes: "
-        f"a module unused in `forward`, or a fused fast path that skips submodules (`nn.TransformerEncoder` in eval "
-        f"mode). Leave them out with `exclude=[...]` or `types=[...]` to silence this."
+        f"a module unused in `forward`, a module that runs on some steps only (an expert no token was routed to on "
+        f"the recorded steps), or a fused fast path that skips submodules (`nn.TransformerEncoder` in eval mode). "
+        f"Leave them out with `exclude=[...]` or `types=[...]` to silence this."
     )
 
 
