@@ -255,6 +255,20 @@ def test_a_spread_of_gradients_along_the_depth_is_named_at_its_input_end() -> No
     assert [(e.check, e.layers) for e in exploding] == [("exploding_gradients", ("fc1",))]
 
 
+@pytest.mark.parametrize(("samples", "kept"), [(1024, 3), (64, 8)])
+def test_dead_units_keep_only_the_checks_of_their_window(samples: int, kept: int) -> None:
+    # A large model checked with a window of 64 checks held 64 lists of its 100 k unit flags; the window needs only
+    # enough checks for 512 samples per unit (and `patience`): three checks of 1,024 tokens, eight of 64 samples.
+    tracker = HealthTracker(["dead_units"], Thresholds())
+    for step in range(0, 200, 10):
+        act = State(numel=4 * samples, sum_sq=1.0)
+        found = tracker.update(snapshot(step, activations={"act": act}, units={"act": [0.0, 1.0, 2.0, 3.0]}))
+        if step == 10 * (kept - 1):
+            assert [(f.check, f.layers, f.step) for f in found] == [("dead_units", ("act",), 0)]
+    assert len(tracker._silent["act"]) == kept
+    assert [(f.check, f.step, f.last_step) for f in tracker.findings] == [("dead_units", 0, 190)]
+
+
 def test_a_finding_that_keeps_holding_is_one_finding_whose_last_step_advances() -> None:
     tracker = HealthTracker(["vanishing_gradients"], Thresholds(patience=2))
     sick = grads(fc1=1e-7, pool=1e-3, fc2=1.0)
