@@ -705,6 +705,14 @@ def double_softmax(fixed: bool) -> Built:
     return Net(net, Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
 
 
+def tanh_logits(fixed: bool) -> Built:
+    """A tanh at the end of a digits MLP whose output goes to ``cross_entropy``: logits bounded to (-1, 1)."""
+    x, y = digits(flat=True)
+    layers: list[nn.Module] = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)]
+    net = nn.Sequential(*layers, *([] if fixed else [nn.Tanh()]))
+    return Net(net, Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
+
+
 def hot_layer(scale: float) -> Built:
     """The middle layer's weights multiplied by ``scale`` at the start."""
     net = mlp(16, 4)
@@ -815,6 +823,10 @@ def programs() -> list[Program]:
         ),
         Program(
             "softmax output into cross_entropy", "mlp", partial(double_softmax, False), partial(double_softmax, True),
+            str(adam), symptom="saturation", layer="net.3", measurable_step=0,
+        ),
+        Program(
+            "tanh on the logits of cross_entropy", "mlp", partial(tanh_logits, False), partial(tanh_logits, True),
             str(adam), symptom="saturation", layer="net.3", measurable_step=0,
         ),
         Program(
