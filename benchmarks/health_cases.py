@@ -55,14 +55,17 @@ VOCAB = 32
 @dataclass(frozen=True)
 class Optim:
     """An optimizer as a user writes it: ``kind`` at ``lr``, optional momentum and a linear warm-up of
-    ``warmup`` steps (``LambdaLR``, stepped every optimizer step)."""
+    ``warmup`` steps (``LambdaLR``, stepped every optimizer step). ``adafactor`` is T5's recipe, transformers'
+    ``Adafactor`` setting its own rate (``lr=None``, relative step, warm-up init): ``lr`` is not used."""
 
-    kind: Literal["sgd", "adam", "adamw"]
+    kind: Literal["sgd", "adam", "adamw", "adafactor"]
     lr: float
     momentum: float = 0.0
     warmup: int = 0
 
     def __str__(self) -> str:
+        if self.kind == "adafactor":
+            return "Adafactor (lr=None, relative step)"
         name = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}[self.kind]
         said = [f"{name} {self.lr:g}"]
         if self.momentum:
@@ -75,6 +78,10 @@ class Optim:
         """The optimizer over ``groups``, with its warm-up schedule in the form ``configure_optimizers`` returns."""
         if self.kind == "sgd":
             optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+        elif self.kind == "adafactor":
+            from transformers.optimization import Adafactor
+
+            optimizer = Adafactor(groups, lr=None, relative_step=True, warmup_init=True, scale_parameter=True)
         else:
             optimizer = (torch.optim.Adam if self.kind == "adam" else torch.optim.AdamW)(groups, lr=self.lr)
         if not self.warmup:
@@ -885,6 +892,7 @@ def healthy() -> list[Case]:
         ("roberta", partial(encoder, "roberta"), adamw_flat, fp32),
         ("roberta", partial(encoder, "roberta"), adamw, bf16),
         ("t5", partial(seq2seq, "t5"), adamw, fp32), ("t5", partial(seq2seq, "t5"), adamw_flat, bf16),
+        ("t5", partial(seq2seq, "t5"), Optim("adafactor", 0.0), fp32),
         ("bart", partial(seq2seq, "bart"), adamw, fp32), ("bart", partial(seq2seq, "bart"), adamw_slow, bf16),
         ("vit", partial(vision, "vit"), adamw, fp32), ("vit", partial(vision, "vit"), adamw_slow, bf16),
         ("convnext", partial(vision, "convnext"), adamw_flat, fp32),
