@@ -38,7 +38,7 @@ __all__ = ["HealthMonitor"]
 
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
-SQUASHING = (torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.Softmax)
+SQUASHING = {torch.nn.Sigmoid: "sigmoid", torch.nn.Tanh: "tanh", torch.nn.Softmax: "softmax"}
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
@@ -222,7 +222,7 @@ class HealthMonitor(StatsCallback):
         for name, n in self._numel.items():
             self._sizes[self._owner[name]] = self._sizes.get(self._owner[name], 0) + n
         self._squashing = {
-            label(name): type(m).__name__.lower() for name, m in self._leaves if isinstance(m, SQUASHING)
+            label(name): kind for name, m in self._leaves for cls, kind in SQUASHING.items() if isinstance(m, cls)
         }
         self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
         self._adaptive = set()
