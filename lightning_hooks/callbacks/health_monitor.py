@@ -40,6 +40,15 @@ TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
 SQUASHING = {torch.nn.Sigmoid: "sigmoid", torch.nn.Tanh: "tanh", torch.nn.Softmax: "softmax"}
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+NORMS = (
+    *BATCH_NORMS,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.RMSNorm,
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+)
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
 
@@ -165,6 +174,7 @@ class HealthMonitor(StatsCallback):
         self._gradless: bool | None = None
         self._squashing: dict[str, str] = {}
         self._channelwise: frozenset[str] = frozenset()
+        self._normalizers: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
@@ -225,6 +235,7 @@ class HealthMonitor(StatsCallback):
             label(name): kind for name, m in self._leaves for cls, kind in SQUASHING.items() if isinstance(m, cls)
         }
         self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
+        self._normalizers = frozenset(label(name) for name, m in self._leaves if isinstance(m, NORMS))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
@@ -264,6 +275,7 @@ class HealthMonitor(StatsCallback):
             for path, t in named_tensors(batch):
                 if t.is_floating_point() and t.numel():
                     self._batch.add_vector(("input", path), input_sums(t))
+                    self._units.batch_tensors[t.data_ptr()] = path  # which layer takes it
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -428,6 +440,8 @@ class HealthMonitor(StatsCallback):
             skipped_at_scale=scale if overflow > 0 else None,
             pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
             channelwise=self._channelwise,
+            input_takers={path: label(name) for path, name in self._units.takers.items()},
+            normalizers=self._normalizers,
             weight_sizes=self._sizes,
             inputs={  # not an additive mask in every micro-batch (its fills all alike)
                 k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]

@@ -83,6 +83,8 @@ class Snapshot:
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
     channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)
+    input_takers: dict[str, str] = field(default_factory=dict)  # per batch tensor (path), the first layer taking it
+    normalizers: frozenset[str] = frozenset()  # normalization layers (batch, layer, group, instance, RMS)
 
 
 @dataclass(frozen=True)
@@ -382,14 +384,16 @@ themselves, such as the NLL of their log, sums to its whole magnitude)."""
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Floating-point batch tensors whose RMS over their non-zero values is :data:`INPUT_SCALE` times off unit scale
     (a sparse input, such as a TF-IDF row normalised to unit length, is small only in its zeros), named after the
-    first layer that ran (the last one for the batch's last tensor, a target compared with the output)."""
+    layer that took the tensor as it came (else the first layer that ran, or the last one for the batch's last
+    tensor, a target compared with the output). Not when that layer is a normalization: the model standardises it."""
     found = []
     paths = list(snap.inputs)
     for path, rms in snap.inputs.items():
-        if not (rms >= INPUT_SCALE or 0 < rms <= 1 / INPUT_SCALE):
+        taker = snap.input_takers.get(path)
+        if not (rms >= INPUT_SCALE or 0 < rms <= 1 / INPUT_SCALE) or taker in snap.normalizers:
             continue
         target = len(paths) > 1 and path == paths[-1]
-        layers = snap.executed[-1:] if target else snap.executed[:1]
+        layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"
         said = (
             f"the batch's {what} (`{path}`) have an RMS of {rms:.3g} (over their non-zero values), "

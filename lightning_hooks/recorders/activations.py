@@ -128,10 +128,15 @@ class UnitRecorder:
         of its rows."""
         self.prepend = False
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
+        self.batch_tensors: dict[int, str] = {}
+        """The batch's tensors to follow this step, by data pointer: their paths."""
+        self.takers: dict[str, str] = {}
+        """Per batch tensor (path), the first module that took it (or a view of it) as an input."""
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable = {}, {}, {}, {}
         self.last_squashed = None
+        self.batch_tensors, self.takers = {}, {}
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -164,6 +169,10 @@ class _UnitHook:
         if not recorder.batch.open:
             return
         recorder.order[self.name] = None
+        if recorder.batch_tensors:
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and (path := recorder.batch_tensors.get(arg.data_ptr())) is not None:
+                    recorder.takers.setdefault(path, self.name)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor) and output.shape[-1:] != (1,):
             _count_saturated(recorder, self.name, module, output)
         for path, tensor in named_tensors(output):

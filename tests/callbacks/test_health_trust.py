@@ -662,3 +662,44 @@ def test_channels_that_lightning_model_pruning_removed_are_not_dead_units(
     )  # fmt: skip
     found = fit(tmp_path, model, steps=250, every=10, also=[pruning])
     assert [(f.check, f.layers) for f in found] == expected
+
+
+class Tabular(pl.LightningModule):
+    """Three categorical columns through embeddings and five raw numeric columns (scales 1 to 1,000), which go
+    through ``numeric`` first: a batch norm that standardises them, or a linear layer."""
+
+    def __init__(self, normalized: bool) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.embeddings = nn.ModuleList([nn.Embedding(n, 8) for n in (10, 50, 200)])
+        self.numeric = nn.BatchNorm1d(5) if normalized else nn.Linear(5, 5)
+        self.head = nn.Sequential(nn.Linear(29, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.categories = torch.stack([torch.randint(0, n, (2048,), generator=generator) for n in (10, 50, 200)], 1)
+        self.numbers = torch.randn(2048, 5, generator=generator) * torch.tensor([1.0, 10.0, 100.0, 0.1, 1000.0])
+        self.labels = ((self.categories[:, 0] % 3) - 1 + self.numbers[:, 0] > 0).float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        categories, numbers, labels = batch
+        embedded = [embedding(categories[:, i]) for i, embedding in enumerate(self.embeddings)]
+        logits = self.head(torch.cat([*embedded, self.numeric(numbers)], 1))[:, 0]
+        return F.binary_cross_entropy_with_logits(logits, labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.categories, self.numbers, self.labels), batch_size=128, shuffle=True)
+
+
+@pytest.mark.parametrize(
+    ("normalized", "expected"), [(True, []), (False, [("input_scale", ("numeric",), 0)])], ids=["batch norm", "linear"]
+)
+def test_raw_numeric_columns_are_judged_at_the_layer_that_takes_them(
+    tmp_path: Path, normalized: bool, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # A tabular model's numeric columns (RMS 450) enter through their own layer, after the embeddings ran. Before,
+    # the first layer to run (`embeddings.0`, which takes the categories) was named, and a batch norm that
+    # standardises them was not seen.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, Tabular(normalized), steps=30, every=5)
+    assert [(f.check, f.layers, f.step) for f in found] == expected
