@@ -272,6 +272,7 @@ class HealthMonitor(StatsCallback):
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
+            self._units.batch_tensors = {}  # a previous micro-batch's tensors are freed: their addresses reused
             for path, t in named_tensors(batch):
                 if t.is_floating_point() and t.numel():
                     self._batch.add_vector(("input", path), input_sums(t))
