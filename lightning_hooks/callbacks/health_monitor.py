@@ -276,7 +276,8 @@ class HealthMonitor(StatsCallback):
             for path, t in named_tensors(batch):
                 if t.is_floating_point() and t.numel():
                     self._batch.add_vector(("input", path), input_sums(t))
-                    self._units.batch_tensors[t.data_ptr()] = path  # which layer takes it
+                    if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
+                        self._units.batch_tensors[t.data_ptr()] = path
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

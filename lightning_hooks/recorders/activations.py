@@ -171,7 +171,9 @@ class _UnitHook:
         recorder.order[self.name] = None
         if recorder.batch_tensors:
             for arg in args:
-                if isinstance(arg, torch.Tensor) and (path := recorder.batch_tensors.get(arg.data_ptr())) is not None:
+                if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided:  # sparse: no data pointer
+                    continue
+                if (path := recorder.batch_tensors.get(arg.data_ptr())) is not None:
                     recorder.takers.setdefault(path, self.name)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor) and output.shape[-1:] != (1,):
             _count_saturated(recorder, self.name, module, output)

@@ -231,9 +231,10 @@ def norm_total(states: Iterable[State]) -> float:
 
 
 def input_sums(t: torch.Tensor) -> torch.Tensor:
-    """``[Σx², count, fill, 1]`` over a batch tensor's finite non-zero values, added up over micro-batches and
-    processes: their RMS is ``sqrt(Σx² / count)``, and ``fill == 1`` (one per tensor added) marks an additive mask,
-    whose non-zero values are all one negative number (``-inf``, ``-1e9``, the dtype's lowest).
+    """``[Σx², count, fill, 1]`` over a batch tensor's finite non-zero values (a sparse tensor's stored ones), added up
+    over micro-batches and processes: their RMS is ``sqrt(Σx² / count)``, and ``fill == 1`` (one per tensor added)
+    marks an additive mask, whose non-zero values are all one negative number (``-inf``, ``-1e9``, the dtype's
+    lowest).
 
     Example::
 
@@ -241,8 +242,15 @@ def input_sums(t: torch.Tensor) -> torch.Tensor:
         [25.0, 2.0, 0.0, 1.0]
         >>> input_sums(torch.tensor([0.0, 0.0, float("-inf")])).tolist()
         [0.0, 0.0, 1.0, 1.0]
+        >>> input_sums(torch.tensor([[0.0, 3.0], [-4.0, 0.0]]).to_sparse()).tolist()  # its stored values
+        [25.0, 2.0, 0.0, 1.0]
     """
-    x = t.detach().float()
+    x = t.detach()
+    if x.layout == torch.sparse_coo:
+        x = x.coalesce().values()
+    elif x.layout != torch.strided:  # compressed sparse rows or columns, or blocks of them
+        x = x.values()
+    x = x.float()
     nonzero = x != 0
     lowest, highest = torch.where(nonzero, x, math.inf).amin(), torch.where(nonzero, x, -math.inf).amax()
     fill = (lowest == highest) & (highest < 0)

@@ -703,3 +703,31 @@ def test_raw_numeric_columns_are_judged_at_the_layer_that_takes_them(
     pl.seed_everything(0, verbose=False)
     found = fit(tmp_path, Tabular(normalized), steps=30, every=5)
     assert [(f.check, f.layers, f.step) for f in found] == expected
+
+
+class SparseGraph(pl.LightningModule):
+    """A graph convolution whose batch is the graph: a sparse adjacency (COO) and the node features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.adjacency = (torch.rand(200, 200, generator=generator) < 0.05).float().to_sparse()
+        self.features = torch.randn(200, 16, generator=generator)
+        self.labels = (self.features[:, 0] > 0).long()
+        self.mix, self.head = nn.Linear(16, 16), nn.Linear(16, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        adjacency, features = batch
+        return F.cross_entropy(self.head(torch.relu(torch.sparse.mm(adjacency, self.mix(features)))), self.labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([(self.adjacency, self.features)] * 40, batch_size=None)
+
+
+def test_a_sparse_tensor_in_the_batch_is_judged_by_its_stored_values(tmp_path: Path) -> None:
+    # Before, input_scale's sums ran operators that sparse tensors lack, and the fit stopped at its first step.
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, SparseGraph(), steps=20, every=5) == []
