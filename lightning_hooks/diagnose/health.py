@@ -161,11 +161,7 @@ class HealthTracker:
                 self._zero_start.add(name)
         skip = frozenset(self._zero_start)
         scheduled = self._scheduled(snap)
-        loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
-        settling, learning = self._settle(snap, loss)
-        if self._first_loss is None and math.isfinite(loss):
-            self._first_loss = loss
-        converged = self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss
+        settling, learning, converged = self._settle(snap)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
         # nothing to learn from: how the layers learn is not seen
@@ -319,13 +315,19 @@ class HealthTracker:
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
-    def _settle(self, snap: Snapshot, loss: float) -> tuple[bool, bool]:
-        """Whether the run settles at this logging step (the first from step :data:`SETTLED`, whose median ``loss``
-        becomes the reference), and whether it is learning: its loss below that reference."""
+    def _settle(self, snap: Snapshot) -> tuple[bool, bool, bool]:
+        """From the logging step's median loss: whether the run settles here (the first logging step from step
+        :data:`SETTLED`, whose loss becomes the reference), whether it is learning (its loss below that reference),
+        and whether it converged (its loss :data:`CONVERGED` times below the first logging step's)."""
+        loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
+        if self._first_loss is None and math.isfinite(loss):
+            self._first_loss = loss
         settling = snap.step >= SETTLED and self._reference_loss is None
         if settling:
             self._reference_loss = loss
-        return settling, loss < self._reference_loss if self._reference_loss is not None else False
+        learning = loss < self._reference_loss if self._reference_loss is not None else False
+        converged = self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss
+        return settling, learning, converged
 
     def _saturation(self, snap: Snapshot, learning: bool) -> list[Evidence]:
         """:func:`saturation`, but not of a layer that saturated while the loss fell (a sharp attention that solved its
