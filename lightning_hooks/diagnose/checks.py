@@ -33,6 +33,9 @@ __all__ = [
 
 MIN_SAMPLES = 8
 """``dead_units`` judges a layer only when each of its units saw at least this many values."""
+MIN_DEAD = 2
+"""``dead_units`` names a layer with fewer dead units only when every unit is dead: one unit of a narrow layer is
+chance (RegNet's four-unit squeeze-and-excitation bottleneck had one silent from its initialisation, 25 %)."""
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
 PEER_GAP = 10.0
@@ -131,11 +134,11 @@ def pruned_away(snap: Snapshot) -> dict[str, list[bool]]:
 
 def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
     """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of the
-    tracker's window; of this step by default). A layer right after a dead one (a pooling after a dead ReLU)
-    carries the same dead units on and is not named again; a layer with weights ends the chain, except after a
-    layer whose every unit is silent: one layer with weights fed only zeros gives out its bias alone, so a layer
-    right after it whose every unit is silent too (the dropout after a transformer MLP's output projection, whose
-    bias starts at zero) is not named again either."""
+    tracker's window; of this step by default), and at least :data:`MIN_DEAD` of them or all. A layer right after a
+    dead one (a pooling after a dead ReLU) carries the same dead units on and is not named again; a layer with weights
+    ends the chain, except after a layer whose every unit is silent: one layer with weights fed only zeros gives out
+    its bias alone, so a layer right after it whose every unit is silent too (the dropout after a transformer MLP's
+    output projection, whose bias starts at zero) is not named again either."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False  # the last layer without weights was dead, and no layer with weights ran since
@@ -150,8 +153,8 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
             continue
         dead = sum(flags)
         share = dead / len(flags)
-        is_dead = share >= limits.dead_fraction
         every = dead == len(flags)
+        is_dead = share >= limits.dead_fraction and (dead >= MIN_DEAD or every)
         if is_dead and not previous_dead and not (every and after_silent and weighted <= 1):
             said = (
                 f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "

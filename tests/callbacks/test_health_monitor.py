@@ -216,7 +216,8 @@ def snapshot(step: int, **kwargs: object) -> Snapshot:
     ("fired", "expected"),
     [
         ([3.0, 5.0, 1.0, 9.0], []),  # every unit fired for some sample
-        ([0.0, 5.0, 1.0, 9.0], [0.25]),  # a quarter never fired: at the line
+        ([0.0, 5.0, 1.0, 9.0, 0.0, 2.0, 4.0, 1.0], [0.25]),  # a quarter never fired: at the line
+        ([0.0, 5.0, 1.0, 9.0], []),  # a quarter too, but one unit of four is chance
         ([0.0, 0.0, 0.0, 0.0], [1.0]),
     ],
 )
@@ -261,8 +262,9 @@ def test_dead_units_keep_only_the_checks_of_their_window(samples: int, kept: int
     # enough checks for 512 samples per unit (and `patience`): three checks of 1,024 tokens, eight of 64 samples.
     tracker = HealthTracker(["dead_units"], Thresholds())
     for step in range(0, 200, 10):
-        act = State(numel=4 * samples, sum_sq=1.0)
-        found = tracker.update(snapshot(step, activations={"act": act}, units={"act": [0.0, 1.0, 2.0, 3.0]}))
+        act = State(numel=8 * samples, sum_sq=1.0)
+        units = [0.0, 1.0, 2.0, 3.0, 0.0, 5.0, 6.0, 7.0]
+        found = tracker.update(snapshot(step, activations={"act": act}, units={"act": units}))
         if step == 10 * (kept - 1):
             assert [(f.check, f.layers, f.step) for f in found] == [("dead_units", ("act",), 0)]
     assert len(tracker._silent["act"]) == kept

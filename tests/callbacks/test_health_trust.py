@@ -731,3 +731,30 @@ def test_a_sparse_tensor_in_the_batch_is_judged_by_its_stored_values(tmp_path: P
     # Before, input_scale's sums ran operators that sparse tensors lack, and the fit stopped at its first step.
     pl.seed_everything(0, verbose=False)
     assert fit(tmp_path, SparseGraph(), steps=20, every=5) == []
+
+
+class Excite(nn.Module):
+    """A squeeze-and-excitation gate with a bottleneck of four ReLU units (RegNet's, EfficientNet's)."""
+
+    def __init__(self, width: int, silent: int) -> None:
+        super().__init__()
+        self.reduce, self.act, self.expand = nn.Linear(width, 4), nn.ReLU(), nn.Linear(4, width)
+        with torch.no_grad():
+            self.reduce.bias[:silent] = -100.0  # these units never fire
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.expand(self.act(self.reduce(x))))
+
+
+@pytest.mark.parametrize(("silent", "expected"), [(1, []), (2, [("dead_units", ("net.2.act",))])])
+def test_one_silent_unit_of_a_narrow_bottleneck_is_not_dead_units(
+    tmp_path: Path, silent: int, expected: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    # RegNet's squeeze-and-excitation bottleneck has four units; one was silent from its initialisation on (counted
+    # apart over all the data), 25 %, and the monitor said dead_units. One unit is chance, not a problem; two are.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16, 16)  # sequences of 16 tokens: 128 samples a batch for each unit
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Excite(32, silent), nn.Linear(32, 4))
+    labels = (x[:, :, :2].mean(1) > 0).long() @ torch.tensor([1, 2])
+    found = fit(tmp_path, Fit(net, x, labels, lambda net, x, y: F.cross_entropy(net(x).mean(1), y)), steps=60)
+    assert [(f.check, f.layers) for f in found] == expected
