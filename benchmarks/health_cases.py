@@ -170,13 +170,14 @@ def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Net(CorpusModule):
     """``net`` on ``(x, y)`` batches with ``loss``: cross-entropy, mean squared error, or binary cross-entropy
-    on probabilities. ``loss_from_item`` rebuilds the loss from ``loss.item()`` (the graph is lost)."""
+    on probabilities or (``bce_logits``) on logits. ``loss_from_item`` rebuilds the loss from ``loss.item()`` (the
+    graph is lost)."""
 
     def __init__(
         self,
         net: nn.Sequential,
         optim: Optim,
-        loss: Literal["ce", "mse", "bce"] = "ce",
+        loss: Literal["ce", "mse", "bce", "bce_logits"] = "ce",
         loss_from_item: bool = False,
         fast: str | None = None,
         fast_factor: float = 100.0,
@@ -195,6 +196,9 @@ class Net(CorpusModule):
         elif self.loss == "bce":
             loss = F.binary_cross_entropy(out.float(), y)
             acc = ((out > 0.5).float() == y).float().mean()
+        elif self.loss == "bce_logits":
+            loss = F.binary_cross_entropy_with_logits(out.float(), y)
+            acc = ((out > 0).float() == y).float().mean()
         else:
             loss, acc = F.cross_entropy(out.float(), y), accuracy(out, y)
         if self.loss_from_item:
@@ -720,6 +724,15 @@ def tanh_logits(fixed: bool) -> Built:
     return Net(net, Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
 
 
+def sigmoid_logits(fixed: bool) -> Built:
+    """A sigmoid at the end of a digits MLP telling the digits 5 to 9 from the others, whose output goes to
+    ``binary_cross_entropy_with_logits``: a second sigmoid, every predicted probability in (0.5, 0.73)."""
+    x, y = digits(flat=True)
+    layers: list[nn.Module] = [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)]
+    net = nn.Sequential(*layers, *([] if fixed else [nn.Sigmoid()]))
+    return Net(net, Optim("adam", 1e-3), loss="bce_logits"), Tensors(x / 16, (y >= 5).float()[:, None], batch_size=32)
+
+
 def hot_layer(scale: float) -> Built:
     """The middle layer's weights multiplied by ``scale`` at the start."""
     net = mlp(16, 4)
@@ -835,6 +848,10 @@ def programs() -> list[Program]:
         Program(
             "tanh on the logits of cross_entropy", "mlp", partial(tanh_logits, False), partial(tanh_logits, True),
             str(adam), symptom="saturation", layer="net.3", measurable_step=0,
+        ),
+        Program(
+            "sigmoid output into binary_cross_entropy_with_logits", "mlp", partial(sigmoid_logits, False),
+            partial(sigmoid_logits, True), str(adam), symptom="saturation", layer="net.3", measurable_step=0,
         ),
         Program(
             "one layer's weights x1e4", "mlp", partial(hot_layer, 1e4), partial(hot_layer, 1.0), str(adam),

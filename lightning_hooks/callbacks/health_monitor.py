@@ -454,6 +454,7 @@ class HealthMonitor(StatsCallback):
                 if k[0] == "sat"
             },
             row_sums={label(k[1]): v[0] / v[1] for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0},
+            sigmoid_misfit={label(k[1]): v[2] / v[1] for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0},
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
             grads={layer: combine(states) for layer, states in params.items()},

@@ -81,6 +81,7 @@ class Snapshot:
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
     squashing: dict[str, str] = field(default_factory=dict)  # per sigmoid, tanh and softmax layer: which
     row_sums: dict[str, float] = field(default_factory=dict)  # the output layer's gradient: Σ |row sums| / Σ |g|
+    sigmoid_misfit: dict[str, float] = field(default_factory=dict)  # and its share a loss's own sigmoid leaves out
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
@@ -382,6 +383,10 @@ ROWS_SUM_TO_ZERO = 1e-3
 """An output layer's gradient sums to zero over each row, up to this share of its magnitude: its outputs went into a
 loss that applies a softmax of its own (exactly zero but for rounding; a loss of a softmax's probabilities
 themselves, such as the NLL of their log, sums to its whole magnitude)."""
+SIGMOID_FITS = 1e-3
+"""An output layer's gradient is ``binary_cross_entropy_with_logits``'s of it, up to this share of its magnitude beyond
+its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in float32 and bfloat16 alike; at least
+1e-2 for `binary_cross_entropy` or a mean squared error of a sigmoid's outputs)."""
 
 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
@@ -435,7 +440,8 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
     """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and one of
     them that is the model's last layer and whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`): a
     loss such as ``cross_entropy`` took its outputs for logits and applies a softmax of its own, so a softmax's
-    gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's confidence. A loss of a
+    gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's confidence; or whose gradient
+    is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a sigmoid of its own. A loss of a
     softmax's probabilities themselves (``nll_loss`` of their log, a ``Categorical(probs=...)``) is not named, nor
     are the layers in ``learnt`` (saturated by learning)."""
     found = []
@@ -457,6 +463,16 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
                 f"pushes against them; give the loss the unbounded logits (remove the {kind})."
             )
         found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
+    elif kind and snap.sigmoid_misfit.get(last, math.inf) <= SIGMOID_FITS:
+        low, high = ("0.27", "0.73") if kind == "tanh" else ("0.5", "0.73")
+        said = (
+            f"the model's output comes from the {kind} `{label(last)}`, and the loss took it for logits (its gradient "
+            f"is the loss's own sigmoid of it minus the target, as `binary_cross_entropy_with_logits`'s is): "
+            f"squashed twice, every predicted probability lies between {low} and {high}; give "
+            f"`binary_cross_entropy_with_logits` the logits (remove the {kind}), or the probabilities to "
+            f"`binary_cross_entropy`."
+        )
+        found.append(Evidence("saturation", (label(last),), snap.sigmoid_misfit[last], SIGMOID_FITS, said))
     for name in snap.order:
         share = snap.saturated.get(name, 0.0)
         if share >= SATURATED and name != last and name not in learnt:

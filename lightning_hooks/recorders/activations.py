@@ -96,9 +96,9 @@ class UnitRecorder:
     layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
     Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
     softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``. When the last
-    module to run is one of them, :meth:`watch_last_squashed` sums the gradient its output gets, ``[Σ_rows |Σ_row g|,
-    Σ |g|]`` under ``("rowsum", <layer>)``: zero row sums mean the loss took its outputs for logits, as
-    ``cross_entropy`` does.
+    module to run is one of them, :meth:`watch_last_squashed` sums the gradient its output gets under ``("rowsum",
+    <layer>)`` (see :class:`_RowSums`): zero row sums mean the loss took its outputs for logits, as ``cross_entropy``
+    does, nothing left unexplained by a sigmoid of the loss's own, as ``binary_cross_entropy_with_logits`` does.
 
     Example::
 
@@ -143,7 +143,7 @@ class UnitRecorder:
         (only the model's output layer is judged by it, so an attention's softmax is left alone)."""
         found, self.last_squashed = self.last_squashed, None
         if found is not None and self.order and next(reversed(self.order)) == found[0]:
-            found[1].register_hook(_RowSums(self.batch, found[0], found[2]))
+            found[1].register_hook(_RowSums(self.batch, found[0], found[1].detach(), found[2]))
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = []
@@ -175,8 +175,8 @@ class _UnitHook:
                     continue
                 if (path := recorder.batch_tensors.get(arg.data_ptr())) is not None:
                     recorder.takers.setdefault(path, self.name)
-        if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor) and output.shape[-1:] != (1,):
-            _count_saturated(recorder, self.name, module, output)
+        if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
+            _squashed(recorder, self.name, module, output)
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -199,29 +199,43 @@ class _UnitHook:
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)
 
 
-def _count_saturated(recorder: UnitRecorder, name: str, module: nn.Module, output: torch.Tensor) -> None:
+def _squashed(recorder: UnitRecorder, name: str, module: nn.Module, output: torch.Tensor) -> None:
+    """Count a sigmoid, tanh or softmax output's saturated values (not over one unit: a softmax of one is always 1)
+    and keep it as the latest one that requires a gradient."""
     y = output.detach()
-    if isinstance(module, nn.Softmax):
-        dim = module.dim if module.dim is not None else -1
-        gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
-    else:
-        dim = -1
-        gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
+    dim = (module.dim if module.dim is not None else -1) if isinstance(module, nn.Softmax) else -1
     if output.requires_grad and not is_sharded(output):
         recorder.last_squashed = (name, output, dim)  # autograd keeps all three's outputs for backward anyway
+    if y.shape[-1:] == (1,):
+        return
+    if isinstance(module, nn.Softmax):
+        gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
+    else:
+        gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
     recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
     recorder.saturable[name] = recorder.saturable.get(name, 0) + n
 
 
 class _RowSums:
-    """A squashed output's gradient hook: adds ``[Σ_rows |Σ_row g|, Σ |g|]`` to the batch, the gradient unchanged."""
+    """A squashed output's gradient hook: adds ``[Σ_rows |Σ_row g|, Σ |g|, Σ |g - c (σ(y) - t)|]`` to the batch, the
+    gradient unchanged. The last is what ``binary_cross_entropy_with_logits`` of the output ``y`` leaves unexplained,
+    beyond the rounding of the gradient's dtype: its gradient is ``c (σ(y) - t)``, with the target ``t`` 0 where the
+    gradient is positive and 1 where it is negative, and ``c`` (the loss's scale: ``1 / N`` for a mean,
+    ``pos_weight / N`` for the positives) fitted to each sign."""
 
-    def __init__(self, batch: StatBatch, name: str, dim: int) -> None:
-        self.batch, self.name, self.dim = batch, name, dim
+    def __init__(self, batch: StatBatch, name: str, output: torch.Tensor, dim: int) -> None:
+        self.batch, self.name, self.output, self.dim = batch, name, output, dim
 
     def __call__(self, grad: torch.Tensor) -> None:
         g = grad.detach().float()
-        self.batch.add_vector(("rowsum", self.name), torch.stack([g.sum(self.dim).abs().sum(), g.abs().sum()]))
+        p = torch.sigmoid(self.output.float())
+        negative, positive = g < 0, g > 0
+        own = torch.where(negative, p - 1, p)  # σ(y) - t
+        scales = [(g * side).sum() / (own * side).sum() for side in (positive, negative)]
+        miss = (g - torch.where(negative, scales[1], scales[0]) * own).abs() - torch.finfo(grad.dtype).eps * g.abs()
+        unexplained = torch.where(g != 0, miss.clamp(min=0), 0.0).sum()  # beyond the gradient's own rounding
+        rows = g.sum(self.dim).abs().sum()
+        self.batch.add_vector(("rowsum", self.name), torch.stack([rows, g.abs().sum(), unexplained]))
 
 
 _CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

@@ -340,6 +340,47 @@ def test_a_tanh_or_sigmoid_on_the_logits_of_cross_entropy_is_named(
     assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
 
 
+def against(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], width: int) -> Loss:
+    """``loss`` of the model's output against its targets: multi-hot over 3 classes, or (``width=1``) class 0 or not."""
+    return lambda model, x, y: loss(model(x), F.one_hot(y, 3).float() if width == 3 else (y[:, None] == 0).float())
+
+
+@pytest.mark.parametrize(
+    ("last", "width", "loss", "expected"),
+    [
+        (nn.Sigmoid(), 1, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
+        (nn.Sigmoid(), 3, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
+        (nn.Softmax(dim=1), 3, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
+        (nn.Tanh(), 1, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
+        (nn.Identity(), 1, F.binary_cross_entropy_with_logits, []),
+        (nn.Sigmoid(), 1, F.binary_cross_entropy, []),
+        (nn.Sigmoid(), 3, F.mse_loss, []),
+    ],
+    ids=[
+        "sigmoid, binary",
+        "sigmoid, multi-label",
+        "softmax",
+        "tanh",
+        "the fix: logits",
+        "sigmoid, bce",
+        "sigmoid, mse",
+    ],
+)
+def test_probabilities_given_to_binary_cross_entropy_with_logits_are_named(
+    tmp_path: Path,
+    last: nn.Module,
+    width: int,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    expected: list[tuple[str, tuple[str, ...], int]],
+) -> None:
+    # A sigmoid before `BCEWithLogitsLoss`, which applies its own: every prediction is then between 0.5 and 0.73, and
+    # no output can say no. Before, nothing was said: the gradient's rows do not sum to zero as cross_entropy's do.
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, width), last))
+    model.loss = against(loss, width)
+    assert [(f.check, f.layers, f.step) for f in fit(tmp_path, model, steps=30)] == expected
+
+
 class Scheduled(pl.LightningModule):
     """``model`` under AdamW at ``lr`` with transformers' linear warm-up over ``warmup`` steps and decay to zero at
     ``total`` (``warmup=None``: a flat learning rate), stepped every optimizer step."""
