@@ -367,6 +367,16 @@ class HealthMonitor(StatsCallback):
         affected = self._tracker.affected
         self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
 
+    def _unoptimized(self, trainer: pl.Trainer) -> frozenset[str]:
+        """The layers with a parameter that has a gradient but is in none of the Trainer's optimizers (none when there
+        is no optimizer: the model is stepped by hand)."""
+        if not trainer.optimizers:
+            return frozenset()
+        stepped = {
+            id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]
+        }
+        return frozenset(self._owner[name] for name, p in self._params if p.grad is not None and id(p) not in stepped)
+
     def _add_pruned(self) -> None:
         """Per leaf pruned by ``torch.nn.utils.prune`` (a ``weight_mask`` buffer, as Lightning's ``ModelPruning``
         leaves it during the fit), which output units have every weight masked; masks change as pruning goes on."""
@@ -463,6 +473,7 @@ class HealthMonitor(StatsCallback):
             losses=losses,
             norms=norms,
             norm_layers=self._norm_layers,
+            unoptimized=self._unoptimized(trainer) if self._watch_grads else frozenset(),
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )

@@ -72,6 +72,7 @@ class Snapshot:
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of each step since the last snapshot
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
+    unoptimized: frozenset[str] = frozenset()  # layers with a gradient that no optimizer steps (nor zeroes)
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
@@ -290,6 +291,25 @@ def update_ratio(
         said = f"each optimizer step changes the weights of `{label(name)}` {said}"
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
     return found
+
+
+def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+    """Layers that get gradients but are in no optimizer's parameter groups: their update ratio is zero for good, and
+    nothing zeroes their ``.grad``, which keeps growing (as their gradient norms, the other checks leave them out)."""
+    layers = [name for name in snap.order if name in snap.unoptimized]
+    layers += sorted(snap.unoptimized.difference(layers))
+    if not layers:
+        return []
+    more = len(layers) - SHOWN_LAYERS
+    said = ", ".join(f"`{label(name)}`" for name in layers[:SHOWN_LAYERS]) + (f" and {more} more" if more > 0 else "")
+    said += (
+        " get gradients but are in no optimizer's parameter groups: their weights never change, and as nothing zeroes "
+        "their `.grad` it keeps growing; give their parameters to the optimizer in `configure_optimizers`, or set "
+        "`requires_grad=False` on them if they are to stay frozen (their backward is then skipped too)."
+    )
+    return [
+        Evidence("update_ratio", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, limits.update_ratio_low, said)
+    ]
 
 
 CONVERGED = 1e3

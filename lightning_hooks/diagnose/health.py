@@ -28,6 +28,7 @@ from lightning_hooks.diagnose.checks import (
     nonfinite,
     saturation,
     silent_units,
+    unoptimized,
     update_ratio,
     zero_loss,
 )
@@ -176,6 +177,8 @@ class HealthTracker:
             immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
             persistent += update_ratio(snap, self.limits, skip, scheduled, converged)
+        if "update_ratio" in on:
+            immediate += unoptimized(snap, self.limits)
         if "activation_growth" in on:
             persistent += self._activation_growth(snap, settling, learning)
         if "nonfinite" in on:
@@ -272,7 +275,7 @@ class HealthTracker:
             if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
                 self._step_norms.clear()
                 continue
-            layer_norms = _per_layer(norms, snap.norm_layers)
+            layer_norms = _per_layer(norms, snap.norm_layers, snap.unoptimized)
             total = math.sqrt(math.fsum(v * v for v in layer_norms.values()))
             if math.isfinite(total):
                 steps.append(layer_norms)
@@ -382,7 +385,7 @@ class HealthTracker:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
-                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers)
+                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers, snap.unoptimized)
                     if self._last_spike is not None and self._last_spike[0] == step - 1:
                         spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
                     self._last_spike = (step, spike)
@@ -410,12 +413,22 @@ class HealthTracker:
         return median, max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
 
     def _spike(
-        self, step: int, loss: float, median: float, z: float, norms: list[float], layers: Sequence[str]
+        self,
+        step: int,
+        loss: float,
+        median: float,
+        z: float,
+        norms: list[float],
+        layers: Sequence[str],
+        left_out: frozenset[str],
     ) -> Evidence:
         """A spike at ``step``, named after the layers whose gradient norm jumped within :data:`ALIKE` of the most
-        (a layer's jump: the least of its parameters' against their window's median), nearest the output first."""
+        (a layer's jump: the least of its parameters' against their window's median), nearest the output first; not
+        the layers ``left_out`` (no optimizer steps them)."""
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
+            if name in left_out:
+                continue
             past = [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])]
             if j < len(norms) and past:
                 jump = _ratio(norms[j], statistics.median(past))
@@ -454,11 +467,13 @@ def _per_layer_of(snap: Snapshot) -> dict[str, float]:
     return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items()}
 
 
-def _per_layer(norms: Sequence[float], layers: Sequence[str]) -> dict[str, float]:
-    """Per-parameter norms pooled into their layers' (the 2-norm of the layer's parameters together)."""
+def _per_layer(norms: Sequence[float], layers: Sequence[str], left_out: frozenset[str]) -> dict[str, float]:
+    """Per-parameter norms pooled into their layers' (the 2-norm of the layer's parameters together), but for the
+    layers ``left_out`` (no optimizer steps them: their ``.grad`` only grows)."""
     squares: dict[str, float] = {}
     for value, name in zip(norms, layers, strict=False):
-        squares[name] = squares.get(name, 0.0) + value * value
+        if name not in left_out:
+            squares[name] = squares.get(name, 0.0) + value * value
     return {name: math.sqrt(v) for name, v in squares.items()}
 
 

@@ -799,3 +799,30 @@ def test_one_silent_unit_of_a_narrow_bottleneck_is_not_dead_units(
     labels = (x[:, :, :2].mean(1) > 0).long() @ torch.tensor([1, 2])
     found = fit(tmp_path, Fit(net, x, labels, lambda net, x, y: F.cross_entropy(net(x).mean(1), y)), steps=60)
     assert [(f.check, f.layers) for f in found] == expected
+
+
+class HeadOnly(Fit):
+    """``Fit`` whose optimizer is given the last layer's parameters only."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.net[-1].parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize(
+    ("frozen", "expected"), [(False, [("update_ratio", ("net.0", "net.2"), 0)]), (True, [])], ids=["bug", "frozen"]
+)
+def test_layers_with_gradients_that_no_optimizer_steps_are_named_as_such(
+    tmp_path: Path, frozen: bool, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # `configure_optimizers` given the head's parameters only: the backbone gets gradients, but nothing steps it and
+    # nothing zeroes its `.grad`, which grows step after step. Before, the monitor read that growth as
+    # exploding_gradients at net.0 and net.2, the "fix" being gradient clipping.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    net[:4].requires_grad_(not frozen)
+    model = HeadOnly(net, x, (x[:, :2] > 0).long() @ torch.tensor([1, 2]), lambda net, x, y: F.cross_entropy(net(x), y))
+    found = fit(tmp_path, model, steps=1000, every=10)
+    assert [(f.check, f.layers, f.step) for f in found] == expected
+    if found:
+        assert "in no optimizer's parameter groups" in found[0].message
