@@ -160,9 +160,21 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
         if is_dead and not previous_dead and not (every and after_silent and weighted <= 1):
             said = (
                 f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "
-                f"checked ({share:.0%}): they pass no gradient back; try a lower learning rate, LeakyReLU or GELU, "
-                f"or a normalization layer before the activation."
+                f"checked ({share:.0%}): they pass no gradient back; "
             )
+            if snap.executed and name == snap.executed[-1]:
+                said += (
+                    "it is the model's output: an activation after the model's output layer clips its outputs at "
+                    "zero; remove it (`cross_entropy` and most losses take the raw outputs)."
+                )
+            elif every:
+                said += (
+                    "its input is never positive, so nothing before it learns either: look at the layer before it, "
+                    "for all-zero weights (a zero initialisation) or a large negative bias (set so, or driven there "
+                    "by a learning rate too high)."
+                )
+            else:
+                said += "try a lower learning rate, LeakyReLU or GELU, or a normalization layer before the activation."
             found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
         previous_dead, after_silent, weighted = is_dead, every, 0
     return found

@@ -826,3 +826,38 @@ def test_layers_with_gradients_that_no_optimizer_steps_are_named_as_such(
     assert [(f.check, f.layers, f.step) for f in found] == expected
     if found:
         assert "in no optimizer's parameter groups" in found[0].message
+
+
+def zero_initialised(net: nn.Sequential) -> nn.Sequential:
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+    return net
+
+
+@pytest.mark.parametrize(
+    ("build", "layer", "said"),
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU()), "net.3", "model's output"),
+        (
+            lambda: zero_initialised(mlp(nn.ReLU(), nn.Linear(16, 8))),
+            "net.1",
+            "all-zero weights (a zero initialisation)",
+        ),
+    ],
+    ids=["relu on the logits", "zero initialisation"],
+)
+def test_dead_units_at_the_output_or_in_a_wholly_silent_layer_say_what_to_fix(
+    tmp_path: Path, build: Callable[[], nn.Sequential], layer: str, said: str
+) -> None:
+    # Both were told "try a lower learning rate, LeakyReLU or GELU": a ReLU on the logits is to be removed, and a layer
+    # whose every unit is zero has an input that is never positive, here from weights all initialised to zero.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(2048, 8)
+    model = Fit(
+        build(), x, (x @ seeded(8, 8)).argmax(1), lambda net, x, y: F.cross_entropy(net(x), y), sgd=True, lr=0.2
+    )
+    found = fit(tmp_path, model, steps=200, every=2)
+    assert [(f.check, f.layers[0]) for f in found][:1] == [("dead_units", layer)]
+    assert said in found[0].message
