@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_hooks.callbacks.base import (
@@ -474,6 +475,7 @@ class HealthMonitor(StatsCallback):
             norms=norms,
             norm_layers=self._norm_layers,
             unoptimized=self._unoptimized(trainer) if self._watch_grads else frozenset(),
+            total_steps=_total_steps(trainer),
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
@@ -554,3 +556,12 @@ class _LossRing:
             batch.add_vector(("ring", "overflow"), torch.stack([self.overflow.get(s, self.zero) for s in with_norms]))
         self.losses, self.grad_norms, self.overflow = {}, {}, {}
         return steps, set(with_norms)
+
+
+def _total_steps(trainer: pl.Trainer) -> float:
+    """The optimizer steps the fit will take, ``inf`` when not known (an endless or unsized loader)."""
+    try:
+        total = float(trainer.estimated_stepping_batches)
+    except MisconfigurationException:  # an accumulation that changes with the epoch
+        return math.inf
+    return total if total > 0 else math.inf

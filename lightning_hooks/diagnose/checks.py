@@ -73,6 +73,7 @@ class Snapshot:
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
     unoptimized: frozenset[str] = frozenset()  # layers with a gradient that no optimizer steps (nor zeroes)
+    total_steps: float = math.inf  # the optimizer steps the fit will take (``Trainer.estimated_stepping_batches``)
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
@@ -257,6 +258,7 @@ def update_ratio(
     skip: frozenset[str] = frozenset(),
     scheduled: frozenset[str] = frozenset(),
     converged: bool = False,
+    faded: dict[str, float] | None = None,
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
@@ -267,7 +269,10 @@ def update_ratio(
     ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
     range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
     :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none.
+    But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
+    the fit to go) is judged below the range: those below it make one finding, named after the schedule.
     """
+    faded = faded or {}
     if snap.step == 0:
         return []
     judged = {
@@ -283,6 +288,7 @@ def update_ratio(
     lrs = {name: lr for name, lr in snap.lrs.items() if name in judged and math.isfinite(lr)}
     lr_peers = peer_medians(lrs) if lrs else {}
     found = []
+    stalled: list[str] = []  # below the range, their learning rate faded
     for name, ratio in judged.items():
         apart = ratio >= PEER_GAP * peers[name] or peers[name] > limits.update_ratio_high
         faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
@@ -292,6 +298,9 @@ def update_ratio(
                 f"by {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): the learning rate is too high for it; "
                 f"lower it (its parameter group's), or add warm-up."
             )
+        elif ratio < limits.update_ratio_low and name in faded and not converged:
+            stalled.append(name)
+            continue
         elif ratio < limits.update_ratio_low and name not in scheduled and not converged:
             threshold = limits.update_ratio_low
             said = (
@@ -302,6 +311,20 @@ def update_ratio(
             continue
         said = f"each optimizer step changes the weights of `{label(name)}` {said}"
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
+    if stalled:
+        share = min(faded[name] for name in stalled)
+        more = len(stalled) - SHOWN_LAYERS
+        said = ", ".join(f"`{label(name)}`" for name in stalled[:SHOWN_LAYERS]) + (
+            f" and {more} more" if more > 0 else ""
+        )
+        said += (
+            f" barely learn: each optimizer step changes their weights by less than {limits.update_ratio_low:.0e} of "
+            f"their norm, as their learning rate is {share:.0e} of its peak at step {snap.step}, having fallen below "
+            f"{FADED:.0e} of it before half of the fit's {snap.total_steps:.0f} steps; a scheduler that counts epochs "
+            f'but is stepped every batch (`"interval": "step"`) does this.'
+        )
+        layers = tuple(label(name) for name in stalled[:SHOWN_LAYERS])
+        found.append(Evidence("update_ratio", layers, share, FADED, said))
     return found
 
 
@@ -323,6 +346,11 @@ def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         Evidence("update_ratio", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, limits.update_ratio_low, said)
     ]
 
+
+FADED = 1e-4
+"""``update_ratio`` judges a layer whose learning rate is scheduled below the range too when that rate fell below this
+share of its peak with half the fit to go (by then cosine and linear decays are at half their peak, ImageNet's step
+decay at a tenth; a ``StepLR(step_size=30, gamma=0.1)`` stepped every batch is at 1e-4 by step 120)."""
 
 CONVERGED = 1e3
 """A run whose loss fell this many times below its first logging step's has fit its data: its steps may be tiny."""

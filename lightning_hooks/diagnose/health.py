@@ -14,6 +14,7 @@ from typing import Literal, get_args
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks import (
     CONVERGED,
+    FADED,
     SATURATED,
     SETTLED,
     SHOWN_LAYERS,
@@ -144,6 +145,7 @@ class HealthTracker:
         self._seen_weights: set[str] = set()
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
+        self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
@@ -176,7 +178,7 @@ class HealthTracker:
             immediate += self._norm_growth(snap)
             immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
-            persistent += update_ratio(snap, self.limits, skip, scheduled, converged)
+            persistent += update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap))
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)
         if "activation_growth" in on:
@@ -215,6 +217,14 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
+
+    def _faded(self, snap: Snapshot) -> dict[str, float]:
+        """Per layer whose learning rate fell below :data:`FADED` of its peak with half the fit to go (and has not
+        risen above it since), that share."""
+        shares = {name: lr / self._lr_peak[name] for name, lr in snap.lrs.items() if self._lr_peak.get(name, 0) > 0}
+        early = snap.step < snap.total_steps / 2
+        self._faded_layers = {n for n, share in shares.items() if share < FADED and (early or n in self._faded_layers)}
+        return {name: shares[name] for name in self._faded_layers}
 
     def _scheduled(self, snap: Snapshot) -> frozenset[str]:
         """The layers whose learning rate changed since the previous logging step or is below its peak (a warm-up or

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -861,3 +862,47 @@ def test_dead_units_at_the_output_or_in_a_wholly_silent_layer_say_what_to_fix(
     found = fit(tmp_path, model, steps=200, every=2)
     assert [(f.check, f.layers[0]) for f in found][:1] == [("dead_units", layer)]
     assert said in found[0].message
+
+
+class Decayed(Fit):
+    """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
+
+    def __init__(self, schedule: Callable[[torch.optim.Optimizer], Any], interval: str, **kwargs: Any) -> None:
+        x = seeded(1024, 8)
+        net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        super().__init__(net, x, (x[:, :2] > 0).long() @ torch.tensor([1, 2]), lambda n, x, y: F.cross_entropy(n(x), y))
+        self.schedule, self.interval = schedule, interval
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.schedule(optimizer), "interval": self.interval},
+        }
+
+
+@pytest.mark.parametrize(
+    ("schedule", "interval", "expected"),
+    [
+        (
+            partial(torch.optim.lr_scheduler.StepLR, step_size=30, gamma=0.1),
+            "step",
+            [("update_ratio", ("net.0", "net.2"))],
+        ),
+        (partial(torch.optim.lr_scheduler.StepLR, step_size=30, gamma=0.1), "epoch", []),
+        (partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=600), "step", []),
+    ],
+    ids=["epoch schedule stepped every batch", "stepped every epoch", "cosine to zero over the fit"],
+)
+def test_a_learning_rate_scheduled_to_nothing_with_most_of_the_fit_to_go_is_named(
+    tmp_path: Path, schedule: Callable[[torch.optim.Optimizer], Any], interval: str, expected: list[tuple[str, Any]]
+) -> None:
+    # StepLR(step_size=30, gamma=0.1) meant for epochs but stepped every batch: the learning rate is 1e-4 of its peak
+    # by step 120 and 1e-20 by step 600, and the fit stops learning. Before, a layer whose learning rate is below its
+    # peak was never judged below the range (a decay is small steps by design), so nothing was said.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, Decayed(schedule, interval), steps=600, every=10)
+    assert [(f.check, f.layers) for f in found] == expected
+    if found:
+        assert 120 <= found[0].step < 300
+        assert '`"interval": "step"`' in found[0].message
