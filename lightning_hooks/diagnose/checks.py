@@ -262,7 +262,11 @@ def update_ratio(
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
-    parameter group's learning rate is :data:`PEER_GAP` times the peers'.
+    parameter group's learning rate is :data:`PEER_GAP` times the peers'. Below it, under an adaptive optimizer, only
+    when the median layer is below it too, or when their group's learning rate is :data:`PEER_GAP` times below the
+    peers': there a layer's ratio is about the learning rate over its weights' RMS whatever its gradient, so norm gains
+    (about 1) are the first below the range (at DPO's 5e-7 they alone are, while every other layer moves by some 1e-5
+    of its norm a step); under SGD the ratio follows the gradient, and a layer alone below the range has lost it.
 
     Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
     :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
@@ -289,9 +293,13 @@ def update_ratio(
     lr_peers = peer_medians(lrs) if lrs else {}
     found = []
     stalled: list[str] = []  # below the range, their learning rate faded
+    overall = statistics.median(judged.values()) if judged else math.inf
     for name, ratio in judged.items():
         apart = ratio >= PEER_GAP * peers[name] or peers[name] > limits.update_ratio_high
         faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
+        slower = lrs.get(name, math.inf) * PEER_GAP <= lr_peers.get(name, 0.0)
+        alone = name in snap.adaptive and not (overall < limits.update_ratio_low or slower)  # see above
+        below = ratio < limits.update_ratio_low and not alone
         if ratio > limits.update_ratio_high and (apart or faster):
             threshold = limits.update_ratio_high
             said = (
@@ -301,7 +309,7 @@ def update_ratio(
         elif ratio < limits.update_ratio_low and name in faded and not converged:
             stalled.append(name)
             continue
-        elif ratio < limits.update_ratio_low and name not in scheduled and not converged:
+        elif below and name not in scheduled and not converged:
             threshold = limits.update_ratio_low
             said = (
                 f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "
