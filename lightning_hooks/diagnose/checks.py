@@ -516,15 +516,17 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
     last = snap.executed[-1] if snap.executed else ""
     kind = snap.squashing.get(last, "")
     if kind and snap.row_sums.get(last, math.inf) <= ROWS_SUM_TO_ZERO:
-        said = f"the model's output comes from the {kind} `{label(last)}`, and the loss took its "
+        said = f"the model's output comes from the {kind} `{label(last)}`, and "
         if kind == "softmax":
             said += (
-                "probabilities for logits (their gradient sums to zero over each row, as `cross_entropy`'s does): it "
-                "applies a softmax of its own, so the gradient through this one saturates and learning crawls; give "
-                "`cross_entropy` the logits (or end with `nn.LogSoftmax` and use `nll_loss`)."
+                "the gradient the loss gives it sums to zero over each row, as that of `cross_entropy` (which applies "
+                "a softmax of its own) or of a squared error against one-hot targets does: either way the gradient "
+                "through this softmax saturates and learning crawls; give `cross_entropy` the logits (or end with "
+                "`nn.LogSoftmax` and use `nll_loss`)."
             )
         else:
             bounds = "(0, 1)" if kind == "sigmoid" else "(-1, 1)"
+            said += "the loss took its "
             said += (
                 f"outputs for logits (their gradient sums to zero over each row, as `cross_entropy`'s does): logits "
                 f"bounded to {bounds} cap how confident any prediction can be, and the {kind} saturates as the model "
