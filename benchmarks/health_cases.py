@@ -733,6 +733,53 @@ def sigmoid_logits(fixed: bool) -> Built:
     return Net(net, Optim("adam", 1e-3), loss="bce_logits"), Tensors(x / 16, (y >= 5).float()[:, None], batch_size=32)
 
 
+def zero_init(fixed: bool) -> Built:
+    """A digits MLP whose linear layers start at zero, weights and biases: every hidden unit is zero, the same for
+    every input, and stays so."""
+    net = mlp(64, 10)
+    if not fixed:
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
+    x, y = digits(flat=True)
+    return Net(net, Optim("sgd", 0.05, momentum=0.9)), Tensors(x / 16, y, batch_size=32)
+
+
+class HeadOnly(Net):
+    """A :class:`Net` whose ``configure_optimizers`` gives the optimizer the last layer's parameters only."""
+
+    def configure_optimizers(self) -> Any:
+        return self.optim.build([{"params": list(self.net[-1].parameters())}])
+
+
+def head_only(fixed: bool) -> Built:
+    """A digits MLP whose optimizer was given the head's parameters only: the rest gets gradients, never steps."""
+    x, y = digits(flat=True)
+    return (Net if fixed else HeadOnly)(mlp(64, 10), Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
+
+
+class StepDecay(Net):
+    """A :class:`Net` under SGD with momentum and ``StepLR(step_size=10, gamma=0.1)``, a schedule that counts epochs,
+    stepped every ``interval``."""
+
+    def __init__(self, net: nn.Sequential, interval: str) -> None:
+        super().__init__(net, Optim("sgd", 0.05, momentum=0.9))
+        self.interval = interval
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.optim.lr, momentum=self.optim.momentum)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": self.interval}}
+
+
+def epoch_schedule(fixed: bool) -> Built:
+    """A digits MLP whose epoch schedule is stepped every batch (``"interval": "step"``): at 1e-4 of its learning rate
+    by step 40. Fixed: every epoch (56 batches), as it was written for."""
+    x, y = digits(flat=True)
+    return StepDecay(mlp(64, 10), "epoch" if fixed else "step"), Tensors(x / 16, y, batch_size=32)
+
+
 def hot_layer(scale: float) -> Built:
     """The middle layer's weights multiplied by ``scale`` at the start."""
     net = mlp(16, 4)
@@ -852,6 +899,19 @@ def programs() -> list[Program]:
         Program(
             "sigmoid output into binary_cross_entropy_with_logits", "mlp", partial(sigmoid_logits, False),
             partial(sigmoid_logits, True), str(adam), symptom="saturation", layer="net.3", measurable_step=0,
+        ),
+        Program(
+            "all-zero initialisation", "mlp", partial(zero_init, False), partial(zero_init, True), str(sgd_m),
+            symptom="dead_units", layer="net.1", measurable_step=0,
+        ),
+        Program(
+            "optimizer given the head's parameters only", "mlp", partial(head_only, False), partial(head_only, True),
+            str(adam), symptom="update_ratio", layer="net.0", measurable_step=0,
+        ),
+        Program(
+            "an epoch schedule stepped every batch", "mlp", partial(epoch_schedule, False),
+            partial(epoch_schedule, True), "SGD 0.05, momentum 0.9, StepLR(10, 0.1)", symptom="update_ratio",
+            layer=None, measurable_step=40, steps=120,
         ),
         Program(
             "one layer's weights x1e4", "mlp", partial(hot_layer, 1e4), partial(hot_layer, 1.0), str(adam),
