@@ -321,11 +321,7 @@ def update_ratio(
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
     if stalled:
         share = min(faded[name] for name in stalled)
-        more = len(stalled) - SHOWN_LAYERS
-        said = ", ".join(f"`{label(name)}`" for name in stalled[:SHOWN_LAYERS]) + (
-            f" and {more} more" if more > 0 else ""
-        )
-        said += (
+        said = _listed(stalled) + (
             f" barely learn: each optimizer step changes their weights by less than {limits.update_ratio_low:.0e} of "
             f"their norm, as their learning rate is {share:.0e} of its peak at step {snap.step}, having fallen below "
             f"{FADED:.0e} of it before half of the fit's {snap.total_steps:.0f} steps; a scheduler that counts epochs "
@@ -343,9 +339,7 @@ def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     layers += sorted(snap.unoptimized.difference(layers))
     if not layers:
         return []
-    more = len(layers) - SHOWN_LAYERS
-    said = ", ".join(f"`{label(name)}`" for name in layers[:SHOWN_LAYERS]) + (f" and {more} more" if more > 0 else "")
-    said += (
+    said = _listed(layers) + (
         " get gradients but are in no optimizer's parameter groups: their weights never change, and as nothing zeroes "
         "their `.grad` it keeps growing; give their parameters to the optimizer in `configure_optimizers`, or set "
         "`requires_grad=False` on them if they are to stay frozen (their backward is then skipped too)."
@@ -353,6 +347,12 @@ def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     return [
         Evidence("update_ratio", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, limits.update_ratio_low, said)
     ]
+
+
+def _listed(layers: Sequence[str]) -> str:
+    """The first :data:`SHOWN_LAYERS` of ``layers``, labelled, each in backticks, and how many others ("and 2 more")."""
+    more = len(layers) - SHOWN_LAYERS
+    return ", ".join(f"`{label(name)}`" for name in layers[:SHOWN_LAYERS]) + (f" and {more} more" if more > 0 else "")
 
 
 FADED = 1e-4
