@@ -274,7 +274,8 @@ def update_ratio(
     range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
     :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none.
     But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
-    the fit to go) is judged below the range: those below it make one finding, named after the schedule.
+    the fit to go) is judged below the range: those below it make one finding, named after the schedule. Layers below
+    the range with the median layer make one finding too: the learning rate is too low for the whole model.
     """
     faded = faded or {}
     if snap.step == 0:
@@ -293,12 +294,14 @@ def update_ratio(
     lr_peers = peer_medians(lrs) if lrs else {}
     found = []
     stalled: list[str] = []  # below the range, their learning rate faded
+    crawling: list[str] = []  # below the range with the median layer: the learning rate is too low for the model
     overall = statistics.median(judged.values()) if judged else math.inf
+    everywhere = overall < limits.update_ratio_low
     for name, ratio in judged.items():
         apart = ratio >= PEER_GAP * peers[name] or peers[name] > limits.update_ratio_high
         faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
         slower = lrs.get(name, math.inf) * PEER_GAP <= lr_peers.get(name, 0.0)
-        alone = name in snap.adaptive and not (overall < limits.update_ratio_low or slower)  # see above
+        alone = name in snap.adaptive and not (everywhere or slower)  # see above
         below = ratio < limits.update_ratio_low and not alone
         if ratio > limits.update_ratio_high and (apart or faster):
             threshold = limits.update_ratio_high
@@ -308,6 +311,9 @@ def update_ratio(
             )
         elif ratio < limits.update_ratio_low and name in faded and not converged:
             stalled.append(name)
+            continue
+        elif below and name not in scheduled and not converged and everywhere and not slower:
+            crawling.append(name)
             continue
         elif below and name not in scheduled and not converged:
             threshold = limits.update_ratio_low
@@ -319,6 +325,14 @@ def update_ratio(
             continue
         said = f"each optimizer step changes the weights of `{label(name)}` {said}"
         found.append(Evidence("update_ratio", (label(name),), ratio, threshold, said))
+    if crawling:
+        said = _listed(crawling) + (
+            f" barely learn: each optimizer step changes their weights by less than {limits.update_ratio_low:.0e} of "
+            f"their norm, the median layer's by {overall:.1e} (healthy: about 1e-3 to 1e-2): the learning rate is too "
+            f"low for the model; raise it, or look for a vanishing gradient."
+        )
+        layers = tuple(label(name) for name in crawling[:SHOWN_LAYERS])
+        found.append(Evidence("update_ratio", layers, overall, limits.update_ratio_low, said))
     if stalled:
         share = min(faded[name] for name in stalled)
         said = _listed(stalled) + (
