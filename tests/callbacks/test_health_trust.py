@@ -879,7 +879,7 @@ def test_dead_units_at_the_output_or_in_a_wholly_silent_layer_say_what_to_fix(
 class Decayed(Fit):
     """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
 
-    def __init__(self, schedule: Callable[[torch.optim.Optimizer], Any], interval: str, **kwargs: Any) -> None:
+    def __init__(self, schedule: Callable[[torch.optim.Optimizer], Any], interval: str) -> None:
         x = seeded(1024, 8)
         net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
         super().__init__(net, x, (x[:, :2] > 0).long() @ torch.tensor([1, 2]), lambda n, x, y: F.cross_entropy(n(x), y))
