@@ -339,7 +339,7 @@ def update_ratio(
             f" barely learn: each optimizer step changes their weights by less than {limits.update_ratio_low:.0e} of "
             f"their norm, as their learning rate is {share:.0e} of its peak at step {snap.step}, having fallen below "
             f"{FADED:.0e} of it before half of the fit's {snap.total_steps:.0f} steps; a scheduler that counts epochs "
-            f'but is stepped every batch (`"interval": "step"`) does this.'
+            f'but is stepped every batch (`"interval": "step"`) does this, or one sized for fewer steps than the fit.'
         )
         layers = tuple(label(name) for name in stalled[:SHOWN_LAYERS])
         found.append(Evidence("update_ratio", layers, share, FADED, said))
