@@ -41,6 +41,7 @@ TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
 SQUASHING = {torch.nn.Sigmoid: "sigmoid", torch.nn.Tanh: "tanh", torch.nn.Softmax: "softmax"}
 BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 NORMS = (
     *BATCH_NORMS,
     torch.nn.LayerNorm,
@@ -177,6 +178,8 @@ class HealthMonitor(StatsCallback):
         self._channelwise: frozenset[str] = frozenset()
         self._normalizers: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
+        self._eps: dict[str, float] = {}  # and its adaptive optimizer's eps, where it has one
+        self._embeddings: frozenset[str] = frozenset()
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._owner: dict[str, str] = {}
@@ -237,6 +240,7 @@ class HealthMonitor(StatsCallback):
         }
         self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
         self._normalizers = frozenset(label(name) for name, m in self._leaves if isinstance(m, NORMS))
+        self._embeddings = frozenset(label(name) for name, m in modules if isinstance(m, EMBEDDINGS))
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
@@ -264,7 +268,7 @@ class HealthMonitor(StatsCallback):
         self._read, self._grad_names = set(), []
         self._units.start()
         self._gradless = None  # no optimizer stepped yet in this logging step
-        self._lrs = {}
+        self._lrs, self._eps = {}, {}
         self._overflow = []
 
     @override
@@ -307,6 +311,8 @@ class HealthMonitor(StatsCallback):
                     if (layer := self._layer_of.get(id(p))) is not None:
                         lr, before = _learning_rate(group), self._lrs.get(layer)
                         self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
+                        if isinstance(eps := group.get("eps"), float):  # Adafactor's is a pair
+                            self._eps[layer] = eps
             if not isinstance(optimizer, torch.optim.SGD):
                 stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
                 self._adaptive.update(layer for layer in stepped if layer is not None)
@@ -449,6 +455,8 @@ class HealthMonitor(StatsCallback):
             adaptive=frozenset(self._adaptive),
             squashing=self._squashing,
             lrs=self._lrs,
+            eps=self._eps,
+            embeddings=self._embeddings,
             gradless=bool(self._gradless),
             skipped_at_scale=scale if overflow > 0 else None,
             pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},

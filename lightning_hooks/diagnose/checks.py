@@ -40,6 +40,11 @@ SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
 PEER_GAP = 10.0
 """``update_ratio`` names a layer above ``update_ratio_high`` only when it moves this many times more than its peers."""
+STARVED = 1e-3
+"""Under an adaptive optimizer, a layer whose mean ``|gradient|`` is below this share of the optimizer's ``eps`` takes
+steps a thousand times smaller than its learning rate: its gradient vanished (transformers' EfficientNet trained from
+scratch, its BatchNorm weights drawn from N(0, 0.02): 1e-20 against eps 1e-8). Healthy runs of the calibration corpus
+stay above 0.3 of ``eps`` (BART's key projections)."""
 SETTLED = 10
 """The optimizer step from which a run counts as past its first steps (references for growth are taken there)."""
 
@@ -85,6 +90,8 @@ class Snapshot:
     row_sums: dict[str, float] = field(default_factory=dict)  # the output layer's gradient: Σ |row sums| / Σ |g|
     sigmoid_misfit: dict[str, float] = field(default_factory=dict)  # and its share a loss's own sigmoid leaves out
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
+    eps: dict[str, float] = field(default_factory=dict)  # per layer, its adaptive optimizer's eps (where it has one)
+    embeddings: frozenset[str] = frozenset()  # embedding tables (a batch reaches a few of their rows)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
@@ -195,12 +202,17 @@ def peer_medians(values: dict[str, float]) -> dict[str, float]:
     return {n: statistics.median(roles[role(n)]) if len(roles[role(n)]) >= 3 else overall for n in values}
 
 
-def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+def gradient_spread(
+    snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset(), converged: bool = False
+) -> list[Evidence]:
     """Layers that learn ``gradient_spread`` times less (vanishing) or more (exploding) than their peers.
 
     A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio
-    against its peers' (the layers of its :func:`role`, or all layers), under SGD by that and by its mean
-    ``|gradient|`` against the median layer's. Layers in ``skip`` (started at zero) are not judged.
+    against its peers' (the layers of its :func:`role`, or all layers), or by its mean ``|gradient|`` against the
+    optimizer's ``eps`` (:data:`STARVED`: below it, the step is the gradient over ``eps``, not over its own scale, and
+    weight decay alone keeps the update ratio up); under SGD by its update ratio and by its mean ``|gradient|`` against
+    the median layer's. Layers in ``skip`` (started at zero) are not judged, nor embedding tables against ``eps`` (a
+    batch reaches a few of their rows), nor any layer against ``eps`` once the run ``converged``.
     Vanishing layers are named nearest the input first and only before the first exploding one, and the
     other way round; adaptive optimizers normalise exploding gradients away, so those are not judged here.
     """
@@ -220,12 +232,21 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
     median = statistics.median(means.values())
     spread = limits.gradient_spread
 
+    starved = {
+        name: eps
+        for name, mean in means.items()
+        if name in snap.adaptive
+        and name not in snap.embeddings
+        and not converged
+        and mean < (eps := snap.eps.get(name, 0.0)) * STARVED
+    }
+
     def off(name: str, low: bool) -> bool:
         by_ratio = name in ratio_peers and (
             ratios[name] <= ratio_peers[name] / spread if low else ratios[name] >= ratio_peers[name] * spread
         )
         if name in snap.adaptive:
-            return low and by_ratio
+            return low and (by_ratio or name in starved)
         by_gradient = means[name] <= median / spread if low else means[name] >= median * spread
         return by_gradient and (by_ratio or name not in ratio_peers)
 
@@ -244,11 +265,24 @@ def gradient_spread(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = f
         ("vanishing_gradients", low, first_high, vanishing, 1 / spread),
         ("exploding_gradients", high, first_low, exploding, spread),
     ):
-        for name in sorted((n for n in names if position[n] < before), key=position.__getitem__):
+        for name in sorted((n for n in names if position[n] < before and n not in starved), key=position.__getitem__):
             ratio = means[name] / median
             said = f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
             said += f"{means[name]:.2e}){fix}"
             found.append(Evidence(check, (label(name),), ratio, line, said))
+    if starved := {n: eps for n, eps in starved.items() if n in low}:  # one finding: they starve together
+        names = sorted(starved, key=position.__getitem__)
+        share = min(means[n] / starved[n] for n in names)
+        said = _listed(names) + (
+            f" get gradients below {STARVED:.0e} of their optimizer's eps (down to {share:.0e} of it; the first's mean "
+            f"|g| is {means[names[0]]:.2e}): Adam divides them by eps rather than by their own scale, so their weights "
+            f"barely move (weight decay aside). The signal vanishes on its way to them: look at the scale of the "
+            f"activations (`ActivationStats`) and at the initialisation (a norm's weights drawn near zero?), or lower "
+            f"`eps`."
+        )
+        found.append(
+            Evidence("vanishing_gradients", tuple(label(n) for n in names[:SHOWN_LAYERS]), share, STARVED, said)
+        )
     return found
 
 

@@ -173,7 +173,7 @@ class HealthTracker:
         if "dead_units" in on:
             immediate += self._dead_units(snap)
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
-            persistent += [e for e in gradient_spread(snap, self.limits, skip) if e.check in on]
+            persistent += [e for e in gradient_spread(snap, self.limits, skip, converged) if e.check in on]
         if "exploding_gradients" in on:
             immediate += self._norm_growth(snap)
             immediate += giant_steps(snap, skip) if not unseen else []

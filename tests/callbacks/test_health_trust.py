@@ -918,3 +918,36 @@ def test_a_learning_rate_scheduled_to_nothing_with_most_of_the_fit_to_go_is_name
     if found:
         assert 120 <= found[0].step < 300
         assert '`"interval": "step"`' in found[0].message
+
+
+def shrinking_cnn(drawn: bool) -> nn.Sequential:
+    """Ten convolution, batch norm and SiLU blocks; ``drawn``: their convolutions' and norms' weights drawn from
+    N(0, 0.02), as transformers' EfficientNet initialises them when trained from scratch (else PyTorch's defaults)."""
+    blocks: list[nn.Module] = []
+    for width in (1, *[16] * 9):
+        blocks += [nn.Conv2d(width, 16, 3, padding=1), nn.BatchNorm2d(16, eps=1e-3), nn.SiLU()]
+    net = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    for layer in net[:-3] if drawn else ():
+        if isinstance(layer, (nn.Conv2d, nn.BatchNorm2d)):
+            nn.init.normal_(layer.weight, std=0.02)
+    return net
+
+
+@pytest.mark.parametrize(
+    ("drawn", "expected"), [(True, ["vanishing_gradients"]), (False, [])], ids=["N(0, 0.02)", "defaults"]
+)
+def test_gradients_far_below_adams_eps_are_vanishing_gradients(
+    tmp_path: Path, drawn: bool, expected: list[str]
+) -> None:
+    # Every block shrinks the signal some 50-fold, so the first layers' gradients are far below AdamW's eps (1e-8):
+    # Adam divides them by eps, and only weight decay moves them. Before, nothing was said: under Adam a layer is
+    # judged by its update ratio, which weight decay keeps at 1e-5.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(256, 1, 16, 16)
+    model = Fit(shrinking_cnn(drawn), x, (x.mean((1, 2, 3)) > 0).long(), lambda net, x, y: F.cross_entropy(net(x), y))
+    found = fit(tmp_path, model, steps=60, every=5)
+    assert sorted({f.check for f in found}) == expected
+    if found:
+        [vanishing] = [f for f in found if f.check == "vanishing_gradients"]
+        assert vanishing.layers[0] == "net.0"
+        assert "of their optimizer's eps" in vanishing.message
