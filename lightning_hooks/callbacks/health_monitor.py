@@ -448,6 +448,7 @@ class HealthMonitor(StatsCallback):
                 row += ring_step in with_norms
         overflow, scale = fetched.vectors.get(("scaler", "overflow"), [0.0, math.nan])
         executed = [label(name) for name in self._units.order]
+        output_grads = {label(k[1]): v for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0}
         return Snapshot(
             step=step,
             order=[*executed, *(name for name in self._order if name not in set(executed))],
@@ -472,8 +473,8 @@ class HealthMonitor(StatsCallback):
                 for k, v in vectors.items()
                 if k[0] == "sat"
             },
-            row_sums={label(k[1]): v[0] / v[1] for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0},
-            sigmoid_misfit={label(k[1]): v[2] / v[1] for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0},
+            row_sums={layer: rows / size for layer, (rows, size, _) in output_grads.items()},
+            sigmoid_misfit={layer: misfit / size for layer, (_, size, misfit) in output_grads.items()},
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
             grads={layer: combine(states) for layer, states in params.items()},

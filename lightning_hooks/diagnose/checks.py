@@ -270,7 +270,7 @@ def gradient_spread(
             said = f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
             said += f"{means[name]:.2e}){fix}"
             found.append(Evidence(check, (label(name),), ratio, line, said))
-    if starved := {n: eps for n, eps in starved.items() if n in low}:  # one finding: they starve together
+    if starved:  # one finding: they starve together (every starved layer is among the low ones)
         names = sorted(starved, key=position.__getitem__)
         share = min(means[n] / starved[n] for n in names)
         said = _listed(names) + (
