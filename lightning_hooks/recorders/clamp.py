@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hooks.core.autograd import in_backward, loss_scale
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part, summed
-from lightning_hooks.stats.state import counted, flat_pieces
+from lightning_hooks.stats.state import counted, flat_pieces, real_view
 
 __all__ = ["GradClamper"]
 
@@ -50,7 +50,10 @@ def clamp_true_gradient(
     grad: torch.Tensor, value: float, scale: torch.Tensor | None, count: ClampCount | None = None
 ) -> torch.Tensor:
     """``grad``, carrying the loss ``scale`` (or none), clamped to ``[-value, value]`` in true units; under a scale its
-    non-finite values stay, for the ``GradScaler`` to skip the step. A sparse (COO) gradient's values are clamped."""
+    non-finite values stay, for the ``GradScaler`` to skip the step. A sparse (COO) gradient's values are clamped; a
+    complex one's real and imaginary parts, each (torch's optimizers take a complex parameter for two real ones)."""
+    if grad.is_complex():
+        return torch.view_as_complex(clamp_true_gradient(real_view(grad), value, scale, count))
     if grad.layout == torch.sparse_coo:  # an embedding's with `sparse=True`
         grad = grad.coalesce()
         clamped = clamp_true_gradient(grad.values(), value, scale, count)
@@ -143,8 +146,12 @@ class GradClamper:
         process counts, if given) while :attr:`count` is active."""
         value, count = self.value, self.count
         strided = torch.strided  # a singleton: `is` keeps this every-step loop cheap
-        sparse = [grad for grad in grads if grad.layout is not strided]
-        dense = [grad for grad in grads if grad.layout is strided] if sparse else grads
+        sparse = [grad for grad in grads if grad.layout is not strided or grad.is_complex()]
+        dense = grads
+        if sparse:  # a complex gradient is clamped in place through a real view: real and imaginary parts each
+            dense = [real_view(grad) for grad in grads if grad.layout is strided]
+            counted = None if counted is None else [real_view(grad) for grad in counted]
+            sparse = [grad for grad in sparse if grad.layout is not strided]
         with torch.no_grad():
             if count.active:
                 seen = dense if counted is None else [grad for grad in counted if grad.layout is strided]

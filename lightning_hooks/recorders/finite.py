@@ -17,7 +17,7 @@ from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
 from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
-from lightning_hooks.stats.state import flat_pieces, nonfinite_count
+from lightning_hooks.stats.state import flat_pieces, nonfinite_count, real_view
 
 __all__ = ["NonFiniteRecorder", "find_nonfinite", "finite_step", "grad_readings", "parameter_readings"]
 
@@ -370,7 +370,7 @@ def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type != "cpu":  # one fused kernel there; on a CPU, a loop over the tensors (slower than a sum)
         return torch.stack(torch._foreach_norm(tensors, math.inf)).amax()
     # The values end to end (one dtype after promotion), both parts of complex ones, summed in float32.
-    real = (torch.view_as_real(v) if v.is_complex() else v for v in flat_pieces(tensors))
+    real = (real_view(v) for v in flat_pieces(tensors))
     return torch.stack([v.sum(dtype=torch.float32) for v in real]).sum()
 
 

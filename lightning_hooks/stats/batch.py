@@ -19,6 +19,7 @@ from lightning_hooks.stats.state import (
     raw_pieces,
     raw_rows,
     raw_states,
+    real_view,
     state_row,
 )
 
@@ -136,7 +137,7 @@ class StatBatch:
         histogram if asked."""
         if self.open:
             self._order[key] = None
-            x = t.detach()
+            x = real_view(t.detach())
             self._take([key], [counted_part(x, copies_off_mesh=False) if is_sharded(x) else x], histogram)
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
@@ -146,6 +147,7 @@ class StatBatch:
         groups: dict[tuple[torch.device, torch.Size], tuple[list[Key], list[torch.Tensor]]] = {}
         for key, t in zip(keys, tensors, strict=True):
             self._order[key] = None
+            t = real_view(t)
             group_keys, group = groups.setdefault((t.device, t.shape), ([], []))
             group_keys.append(key)
             group.append(t)

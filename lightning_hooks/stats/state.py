@@ -26,6 +26,7 @@ __all__ = [
     "raw_pieces",
     "raw_rows",
     "raw_states",
+    "real_view",
     "state",
     "state_row",
 ]
@@ -104,6 +105,12 @@ def counted(flags: torch.Tensor, dim: int | None) -> torch.Tensor:
 CHUNK = 1 << 23
 """The most values of one tensor reduced at once: a larger one (a language model's logits) is reduced in pieces; and
 about the most values of several tensors laid end to end by :func:`flat_pieces`."""
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a complex ``t`` as its real and imaginary parts (a view of a last dimension of two): the statistics,
+    clamp and checks take a complex value for two real ones, as torch's optimizers do."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def flat_pieces(tensors: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:

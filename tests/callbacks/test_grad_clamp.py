@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from lightning_hooks import GradClamp
 from lightning_hooks.stats import state
 from tests.support.helpers import Probe, TinyNet, make_trainer, scalars
+from tests.support.zoo import SpectralNet
 
 
 def _fit(tmp_path: Path, model: TinyNet, **kwargs: object) -> TinyNet:
@@ -144,3 +145,20 @@ def test_a_sparse_gradient_is_clamped_with_the_dense_ones(
     assert values.abs().max() == pytest.approx(0.01)
     assert dense.abs().max() == pytest.approx(0.01)
     assert not [w for w in recwarn if "sparse" in str(w.message).lower()]  # torch's invariant-check warning
+
+
+@pytest.mark.parametrize("mode", ["backward", "accumulated"])
+def test_a_complex_gradient_has_its_real_and_imaginary_parts_clamped(tmp_path: Path, mode: str) -> None:
+    def grad(trainer: object, pl_module: SpectralNet, optimizer: object) -> torch.Tensor:
+        return pl_module.mix.weight.grad.clone()
+
+    torch.manual_seed(0)
+    model = SpectralNet()
+    free, clamped = Probe("on_before_optimizer_step", grad), Probe("on_before_optimizer_step", grad)
+    make_trainer(tmp_path / "free", [free], max_steps=1, logger=False).fit(copy.deepcopy(model))
+    make_trainer(tmp_path / "clamped", [GradClamp(0.05, mode=mode), clamped], max_steps=1, logger=False).fit(model)
+    (raw,), (got,) = free.seen, clamped.seen
+    assert raw.real.abs().max() > 0.05  # the bound bites on both parts
+    assert raw.imag.abs().max() > 0.05
+    expected = torch.complex(raw.real.clamp(-0.05, 0.05), raw.imag.clamp(-0.05, 0.05))
+    assert torch.equal(got, expected)

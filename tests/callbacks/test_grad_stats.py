@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_hooks import GradStats
 from lightning_hooks.stats.state import derive, state
 from tests.support.helpers import Probe, TinyNet, events, hook_state, make_trainer, scalars
-from tests.support.zoo import ResNetish, SparseEmbeddingNet
+from tests.support.zoo import ResNetish, SparseEmbeddingNet, SpectralNet
 
 
 class Capture(pl.Callback):
@@ -266,3 +266,20 @@ def test_a_sparse_gradient_is_read_in_its_dense_form(tmp_path: Path) -> None:
         assert grad.is_sparse
         for stat, value in derive(state(grad.to_dense())).items():  # rows of unused tokens are zeros
             assert scalars(tmp_path, f"grad_{stat}/embed.weight")[step] == pytest.approx(value, rel=1e-5, abs=1e-7)
+
+
+def test_a_complex_gradient_is_read_as_its_real_and_imaginary_parts(tmp_path: Path) -> None:
+    capture = Capture()
+    make_trainer(tmp_path, [GradStats(log_every_n_steps=1), capture], max_steps=2).fit(SpectralNet())
+    for step in (0, 1):
+        grad = capture.grads[step]["mix.weight"]
+        parts = torch.stack([grad.real, grad.imag]).double()
+        assert grad.is_complex()
+        expected = {
+            "norm": torch.linalg.vector_norm(grad.cdouble()),  # the complex norm: the parts' norm
+            "mean": parts.mean(),
+            "abs_max": parts.abs().max(),
+        }
+        for stat, value in expected.items():
+            got = scalars(tmp_path, f"grad_{stat}/mix.weight")[step]
+            assert got == pytest.approx(float(value), rel=1e-5, abs=1e-7), (step, stat)

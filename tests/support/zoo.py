@@ -275,6 +275,33 @@ class SparseEmbeddingNet(ZooModule):
         return self.proj(self.embed(x).flatten(1))
 
 
+class SpectralMix(nn.Module):
+    """Each Fourier mode of the input times its own complex weight: a complex parameter and a complex output."""
+
+    def __init__(self, modes: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(modes, dtype=torch.cfloat, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * self.weight
+
+
+class SpectralNet(ZooModule):
+    """A complex weight on the input's Fourier modes (as in Fourier neural operators), then a linear layer on their
+    real and imaginary parts."""
+
+    input_shape = (8,)
+    probe = "head"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.mix = SpectralMix(5)
+        self.head = nn.Linear(10, self.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.view_as_real(self.mix(torch.fft.rfft(x))).flatten(1))
+
+
 ZOO: list[type[ZooModule]] = [
     ResNetish,
     LSTMNet,
@@ -287,4 +314,5 @@ ZOO: list[type[ZooModule]] = [
     FrozenNet,
     CheckpointNet,
     SparseEmbeddingNet,
+    SpectralNet,
 ]
