@@ -759,6 +759,20 @@ def head_only(fixed: bool) -> Built:
     return (Net if fixed else HeadOnly)(mlp(64, 10), Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
 
 
+class CutFeatures(Net):
+    """A :class:`Net` whose forward detaches the hidden features before the head: the layers before it never learn."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2:](self.net[:2](x).detach())
+
+
+def cut_features(fixed: bool) -> Built:
+    """A digits MLP whose hidden features are detached on their way to the head (``.detach()`` in ``forward``): the
+    head learns, the first layer runs in every step and never gets a gradient."""
+    x, y = digits(flat=True)
+    return (Net if fixed else CutFeatures)(mlp(64, 10), Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
+
+
 class StepDecay(Net):
     """A :class:`Net` under SGD with momentum and ``StepLR(step_size=10, gamma=0.1)``, a schedule that counts epochs,
     stepped every ``interval``."""
@@ -907,6 +921,10 @@ def programs() -> list[Program]:
         Program(
             "optimizer given the head's parameters only", "mlp", partial(head_only, False), partial(head_only, True),
             str(adam), symptom="update_ratio", layer="net.0", measurable_step=0,
+        ),
+        Program(
+            "hidden features detached before the head", "mlp", partial(cut_features, False),
+            partial(cut_features, True), str(adam), symptom="no_learning", layer="net.0", measurable_step=0,
         ),
         Program(
             "an epoch schedule stepped every batch", "mlp", partial(epoch_schedule, False),

@@ -186,6 +186,9 @@ class HealthMonitor(StatsCallback):
         self._numel: dict[str, int] = {}
         self._sharded = False
         self._read: set[int] = set()  # the parameters whose gradients this logging step has read
+        self._missing: dict[str, nn.Parameter] = {}  # those an optimizer stepped without a gradient in this step
+        self._ungraded: list[tuple[str, int]] = []  # the layers (and their parameter counts) behind this logging
+        # step's ("ungraded", "weights") vector
         self._grad_names: list[list[str]] = []  # the names behind each ("grads", <i>) vector of this logging step
         self._norm_layers: list[str] = []  # the layer (module label) of each watched parameter
         self._order: list[str] = []
@@ -196,7 +199,10 @@ class HealthMonitor(StatsCallback):
         self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": []}
+        return {
+            **super().__getstate__(),
+            **{"_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": [], "_missing": {}},
+        }
 
     @property
     def findings(self) -> list[HealthFinding]:
@@ -265,7 +271,7 @@ class HealthMonitor(StatsCallback):
     @override
     def _start_step(self) -> None:
         self._grads.start()
-        self._read, self._grad_names = set(), []
+        self._read, self._grad_names, self._missing = set(), [], {}
         self._units.start()
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._lrs, self._eps = {}, {}
@@ -327,6 +333,7 @@ class HealthMonitor(StatsCallback):
         """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
+        self._missing.update((n, p) for n, p in self._params if p.grad is None and id(p) in stepped)
         self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
         if read:
             self._read.update(id(p) for _, p in read)
@@ -356,6 +363,8 @@ class HealthMonitor(StatsCallback):
             )
         if self._watch_outputs and "dead_units" in self.checks:
             self._add_pruned()
+        if self._watch_outputs and "no_learning" in self.checks:
+            self._add_ungraded()
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
@@ -374,6 +383,15 @@ class HealthMonitor(StatsCallback):
         affected = self._tracker.affected
         self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
 
+    def _fingerprints(self, fetched: Fetched) -> dict[str, tuple[float, ...]]:
+        """Per leaf of :meth:`_add_ungraded`, its weights' fingerprint."""
+        values, layers, self._ungraded = fetched.vectors.get(("ungraded", "weights"), []), self._ungraded, []
+        found, start = {}, 0
+        for layer, n in layers:
+            found[layer] = tuple(values[start : start + 2 * n])
+            start += 2 * n
+        return found
+
     def _unoptimized(self, trainer: pl.Trainer) -> frozenset[str]:
         """The layers with a parameter that has a gradient but is in none of the Trainer's optimizers (none when there
         is no optimizer: the model is stepped by hand)."""
@@ -383,6 +401,30 @@ class HealthMonitor(StatsCallback):
             id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]
         }
         return frozenset(self._owner[name] for name, p in self._params if p.grad is not None and id(p) not in stepped)
+
+    def _add_ungraded(self) -> None:
+        """A fingerprint (sum and norm) of the weights of each leaf that ran with gradients enabled in this logging step
+        before the first leaf that got a gradient, but whose parameters an optimizer stepped without one, to tell at
+        the next logging step whether they changed in between. Not a leaf run under ``torch.no_grad()`` (a teacher: on
+        purpose), nor one that ran after a leaf that learns (a module whose output goes unused, as the pooler that
+        transformers' BigBird computes and its classifier never reads): a cut from the loss leaves the layers before it
+        without a gradient."""
+        graded = {self._owner[name] for name, p in self._params if id(p) in self._read}
+        ran: set[str] = set()
+        for name in self._units.order:
+            if (layer := label(name)) in graded:
+                break
+            if name in self._units.with_grad:
+                ran.add(layer)
+        layers: dict[str, list[torch.Tensor]] = {}
+        for name, p in self._missing.items():
+            if (layer := self._owner[name]) in ran and layer not in graded:
+                layers.setdefault(layer, []).append(p.detach())
+        self._ungraded = [(layer, len(ws)) for layer, ws in layers.items()]
+        if layers:
+            weights = [w for ws in layers.values() for w in ws]
+            sums = torch.stack([torch.stack([w.sum(), torch.linalg.vector_norm(w)]) for w in weights]).float()
+            self._batch.add_vector(("ungraded", "weights"), sums.flatten())
 
     def _add_pruned(self) -> None:
         """Per leaf pruned by ``torch.nn.utils.prune`` (a ``weight_mask`` buffer, as Lightning's ``ModelPruning``
@@ -484,6 +526,7 @@ class HealthMonitor(StatsCallback):
             norms=norms,
             norm_layers=self._norm_layers,
             unoptimized=self._unoptimized(trainer) if self._watch_grads else frozenset(),
+            ungraded=self._fingerprints(fetched),
             total_steps=_total_steps(trainer),
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),

@@ -22,6 +22,7 @@ __all__ = [
     "SHOWN_LAYERS",
     "Snapshot",
     "Thresholds",
+    "cut_off",
     "dead_units",
     "giant_steps",
     "gradient_spread",
@@ -78,6 +79,8 @@ class Snapshot:
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
     unoptimized: frozenset[str] = frozenset()  # layers with a gradient that no optimizer steps (nor zeroes)
+    ungraded: dict[str, tuple[float, ...]] = field(default_factory=dict)  # leaves that ran, stepped with no gradient:
+    # a fingerprint of their weights
     total_steps: float = math.inf  # the optimizer steps the fit will take (``Trainer.estimated_stepping_batches``)
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
@@ -395,6 +398,19 @@ def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     return [
         Evidence("update_ratio", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, limits.update_ratio_low, said)
     ]
+
+
+def cut_off(layers: Sequence[str], step: int) -> Evidence:
+    """Layers that run in the forward and are in an optimizer, but got no gradient at two logging steps and did not
+    change in between (:meth:`HealthTracker._cut_off`): their output does not reach the loss through autograd."""
+    one = len(layers) == 1
+    said = _listed(layers) + (
+        f" {'runs' if one else 'run'} in the forward, but {'gets' if one else 'get'} no gradient and never "
+        f"{'changes' if one else 'change'}: {'its' if one else 'their'} output is cut from the loss's graph (a "
+        f"`.detach()`, `.item()` or `.numpy()`, `torch.tensor(...)` of a tensor, or `torch.no_grad()` inside forward, "
+        f"on the way to the loss); if {'it is' if one else 'they are'} meant to stay frozen, set `requires_grad=False`."
+    )
+    return Evidence("no_learning", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, 0.0, said, step)
 
 
 def _listed(layers: Sequence[str]) -> str:

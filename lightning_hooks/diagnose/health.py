@@ -21,6 +21,7 @@ from lightning_hooks.diagnose.checks import (
     Evidence,
     Snapshot,
     Thresholds,
+    cut_off,
     dead_units,
     giant_steps,
     gradient_spread,
@@ -146,6 +147,7 @@ class HealthTracker:
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
+        self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
@@ -192,7 +194,7 @@ class HealthTracker:
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits)
         if "no_learning" in on:
-            immediate += stalled
+            immediate += stalled or self._cut_off(snap)
         self._touched = set()
         new: list[HealthFinding] = []
         held = set()
@@ -217,6 +219,18 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
+
+    def _cut_off(self, snap: Snapshot) -> list[Evidence]:
+        """The leaves that ran but got no gradient at this logging step and the one before, their weights unchanged in
+        between (none stepped them: one that learns on the steps between, a second task's head, is not named)."""
+        before, self._ungraded = self._ungraded, {}
+        for layer, weights in snap.ungraded.items():
+            since, was = before.get(layer, (snap.step, weights))
+            self._ungraded[layer] = (since, weights) if was == weights else (snap.step, weights)
+        cut = [n for n in snap.order if n in self._ungraded and n in before and self._ungraded[n][0] < snap.step]
+        if not cut:
+            return []
+        return [cut_off(cut, min(self._ungraded[n][0] for n in cut))]
 
     def _faded(self, snap: Snapshot) -> dict[str, float]:
         """Per layer whose learning rate fell below :data:`FADED` of its peak with half the fit to go (and has not

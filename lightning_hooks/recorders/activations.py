@@ -120,6 +120,8 @@ class UnitRecorder:
         self.per_unit: set[tuple[str, str]] = set()
         """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
         self.order: dict[str, None] = {}
+        self.with_grad: set[str] = set()
+        """The modules of :attr:`order` that ran with gradients enabled (not under ``torch.no_grad()``)."""
         self.widths: dict[tuple[str, str], int] = {}
         """The unit count of each per-unit key since :meth:`start`."""
         self.saturable: dict[str, int] = {}
@@ -134,7 +136,7 @@ class UnitRecorder:
         """Per batch tensor (path), the first module that took it (or a view of it) as an input."""
 
     def start(self) -> None:
-        self.samples, self.order, self.widths, self.saturable = {}, {}, {}, {}
+        self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
         self.batch_tensors, self.takers = {}, {}
 
@@ -169,6 +171,8 @@ class _UnitHook:
         if not recorder.batch.open:
             return
         recorder.order[self.name] = None
+        if torch.is_grad_enabled():
+            recorder.with_grad.add(self.name)
         if recorder.batch_tensors:
             for arg in args:
                 if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided:  # sparse: no data pointer

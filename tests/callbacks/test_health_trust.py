@@ -951,3 +951,86 @@ def test_gradients_far_below_adams_eps_are_vanishing_gradients(
         [vanishing] = [f for f in found if f.check == "vanishing_gradients"]
         assert vanishing.layers[0] == "net.0"
         assert "of their optimizer's eps" in vanishing.message
+
+
+class Cut(nn.Module):
+    """An encoder and a head, with the encoder's output cut from the loss the way a bug cuts it (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(self.how != "no_grad"):
+            h = self.enc(x)
+        if self.how == "detach":
+            h = h.detach()
+        elif self.how == "numpy":  # a round trip through NumPy, or `torch.tensor(...)` of a tensor
+            h = torch.tensor(h.detach().numpy())
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("detach", [("no_learning", ("net.enc.0", "net.enc.2"), 0)]),
+        ("numpy", [("no_learning", ("net.enc.0", "net.enc.2"), 0)]),
+        ("none", []),
+        ("no_grad", []),  # run under `torch.no_grad()` on purpose (a teacher, a frozen feature extractor)
+    ],
+)
+def test_layers_that_run_but_get_no_gradient_are_named(
+    tmp_path: Path, how: str, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # The classic "my weights never change": the encoder runs in every forward, its parameters are in the optimizer
+    # and require gradients, but its output is cut from the loss, so they never get one. The head learns, so the loss
+    # falls and no gradient is all zero: the monitor said nothing. An encoder run under `torch.no_grad()` is left
+    # alone: that is written on purpose.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16)
+    y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
+    found = fit(tmp_path, Fit(Cut(how), x, y, lambda net, x, y: F.cross_entropy(net(x), y)), steps=60, every=10)
+    assert [(f.check, f.layers, f.step) for f in found] == expected
+    if found:
+        assert "`.detach()`" in found[0].message
+        assert found[0].last_step == 50
+
+
+class TwoTasks(nn.Module):
+    """A shared body and two heads that both run every step; each batch trains one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.heads = nn.ModuleList([nn.Linear(32, 4), nn.Linear(32, 2)])
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        h = self.body(x)
+        return [head(h) for head in self.heads]
+
+
+class Alternating(Fit):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        task = batch_idx % 2  # logging steps (every 10) always fall on the first task
+        return F.cross_entropy(self.net(x)[task], y if task == 0 else y % 2)
+
+
+class Unused(Fit):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x)[0], y)
+
+
+@pytest.mark.parametrize("model", [Alternating, Unused])
+def test_a_head_trained_between_logging_steps_or_never_read_is_not_named(tmp_path: Path, model: type[Fit]) -> None:
+    # Alternating: the second head gets no gradient at any logging step, but it learns on the steps between: its
+    # weights change. Unused: its output is never read, as transformers' BigBird computes a pooler that its classifier
+    # ignores; it runs after layers that learn, where no cut on the way to the loss could leave it.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16)
+    y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
+    found = fit(tmp_path, model(TwoTasks(), x, y, lambda net, x, y: x), steps=60, every=10)
+    assert found == []
