@@ -309,7 +309,9 @@ def update_ratio(
     :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
     ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
     range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
-    :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none.
+    :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none; nor a
+    layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead, which ``dead_units``
+    names), and a higher learning rate would change nothing.
     But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
     the fit to go) is judged below the range: those below it make one finding, named after the schedule. Layers below
     the range with the median layer make one finding too: the learning rate is too low for the whole model.
@@ -335,6 +337,8 @@ def update_ratio(
     overall = statistics.median(judged.values()) if judged else math.inf
     everywhere = overall < limits.update_ratio_low
     for name, ratio in judged.items():
+        if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
+            continue
         apart = ratio >= PEER_GAP * peers[name] or peers[name] > limits.update_ratio_high
         faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
         slower = lrs.get(name, math.inf) * PEER_GAP <= lr_peers.get(name, 0.0)

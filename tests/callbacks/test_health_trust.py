@@ -1034,3 +1034,27 @@ def test_a_head_trained_between_logging_steps_or_never_read_is_not_named(tmp_pat
     y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
     found = fit(tmp_path, model(TwoTasks(), x, y, lambda net, x, y: x), steps=60, every=10)
     assert found == []
+
+
+class PlainSGD(Fit):
+    """``Fit`` with plain SGD over batches of 256."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=256, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_a_layer_behind_dead_units_is_not_told_to_raise_its_learning_rate(tmp_path: Path) -> None:
+    # A loss summed over a batch of 256 at SGD's 0.1: the first steps drive every hidden ReLU unit dead, and the first
+    # layer's gradient is exactly zero from then on. Its update ratio of 0 was named too, with "it barely learns; raise
+    # the learning rate", the opposite of the fix; dead_units names the cause.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(2048, 64).abs()
+    y = (x[:, :3] > x[:, 3:6]).long() @ torch.tensor([1, 2, 4])
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = PlainSGD(net, x, y, lambda net, x, y: F.cross_entropy(net(x), y, reduction="sum"), lr=0.1)
+    found = fit(tmp_path, model, steps=100, every=10)
+    assert [(f.check, f.layers, f.step) for f in found] == [("dead_units", ("net.1",), 20)]
+    assert "a learning rate too high" in found[0].message
