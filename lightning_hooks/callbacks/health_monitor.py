@@ -171,7 +171,9 @@ class HealthMonitor(StatsCallback):
         self._spikes = "loss_spike" in on  # exploding_gradients reads the ring too when it is there
         self._units = UnitRecorder(self._batch, fired=self._fired)
         judges_learning = bool(on & {"update_ratio", "vanishing_gradients", "exploding_gradients"})
-        self._grads = ParamGradRecorder(self._batch, update_ratio=judges_learning, weight_norms=True, observe=False)
+        self._grads = ParamGradRecorder(
+            self._batch, update_ratio=judges_learning, weight_norms=True, observe=False, changed_shares=True
+        )
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._gradless: bool | None = None
         self._squashing: dict[str, str] = {}
@@ -180,6 +182,7 @@ class HealthMonitor(StatsCallback):
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._eps: dict[str, float] = {}  # and its adaptive optimizer's eps, where it has one
         self._embeddings: frozenset[str] = frozenset()
+        self._half: dict[str, torch.dtype] = {}
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
         self._owner: dict[str, str] = {}
@@ -247,6 +250,9 @@ class HealthMonitor(StatsCallback):
         self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
         self._normalizers = frozenset(label(name) for name, m in self._leaves if isinstance(m, NORMS))
         self._embeddings = frozenset(label(name) for name, m in modules if isinstance(m, EMBEDDINGS))
+        self._half = {  # per layer with half-precision weights, their dtype
+            self._owner[name]: p.dtype for name, p in self._params if p.dtype in (torch.float16, torch.bfloat16)
+        }
         self._adaptive = set()
         self._sharded = any(is_sharded(p) for _, p in self._params)
         self._order = [label(name) for name, _ in modules]
@@ -472,6 +478,10 @@ class HealthMonitor(StatsCallback):
                 weight = max(fetched.states[("weight", name)].sum_sq, 0.0)
                 squares.setdefault(self._owner.get(name, name), []).append((max(change.sum_sq, 0.0), weight))
         weight_norms = {layer: math.sqrt(math.fsum(w for _, w in pairs)) for layer, pairs in squares.items()}
+        changed: dict[str, list[tuple[float, int]]] = {}  # per half-precision layer, each parameter's changed share
+        for (group, name), share in fetched.scalars.items():
+            if group == "changed":
+                changed.setdefault(self._owner[name], []).append((share, self._numel[name]))
         ratios = {
             layer: math.sqrt(math.fsum(c for c, _ in pairs)) / max(weight_norms[layer], 1e-12)
             for layer, pairs in squares.items()
@@ -522,6 +532,13 @@ class HealthMonitor(StatsCallback):
             grads={layer: combine(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,
+            changed={
+                layer: sum(s * n for s, n in parts) / sum(n for _, n in parts) for layer, parts in changed.items()
+            },
+            half={
+                layer: (str(dtype).removeprefix("torch."), torch.finfo(dtype).eps)
+                for layer, dtype in self._half.items()
+            },
             losses=losses,
             norms=norms,
             norm_layers=self._norm_layers,

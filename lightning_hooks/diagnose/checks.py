@@ -23,6 +23,7 @@ __all__ = [
     "Snapshot",
     "Thresholds",
     "cut_off",
+    "rounded_away",
     "dead_units",
     "giant_steps",
     "gradient_spread",
@@ -75,6 +76,8 @@ class Snapshot:
     grads: dict[str, State] = field(default_factory=dict)  # each layer's parameter gradients pooled
     ratios: dict[str, float] = field(default_factory=dict)  # ||Δw|| / ||w|| per layer
     weights: dict[str, float] = field(default_factory=dict)  # ||w|| per layer
+    changed: dict[str, float] = field(default_factory=dict)  # per half-precision layer, the share of weights stepped
+    half: dict[str, tuple[str, float]] = field(default_factory=dict)  # per half-precision layer, its dtype and eps
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of each step since the last snapshot
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
@@ -385,6 +388,48 @@ def update_ratio(
         layers = tuple(label(name) for name in stalled[:SHOWN_LAYERS])
         found.append(Evidence("update_ratio", layers, share, FADED, said))
     return found
+
+
+ROUNDED = 0.25
+"""Below this share of half-precision weights changed by the optimizer's step, three quarters of its update are lost."""
+
+
+def rounded_away(snap: Snapshot, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+    """Half-precision weights (``precision="bf16-true"``, ``"16-true"``) that an adaptive optimizer's steps do not move:
+    under :data:`ROUNDED` of them changed by the step, and the learning rate is below half the spacing of the numbers
+    near a weight of their RMS (``eps / 2`` of it), so a step of about the learning rate rounds to no change. The cause
+    is the model's: every layer judged is named, in model order (the finding holds from one logging step to the next).
+
+    Not judged: layers under SGD (a step follows each gradient's own size), embeddings (the rows a batch does not use
+    are left alone), layers started at zero by design, any layer before step :data:`SETTLED`."""
+    if snap.step < SETTLED:
+        return []
+    judged: dict[str, tuple[float, float, float]] = {}  # share changed, learning rate, RMS of the weights
+    for name in snap.order:
+        share, lr = snap.changed.get(name), snap.lrs.get(name, math.nan)
+        size, norm = snap.weight_sizes.get(name, 0), snap.weights.get(name, 0.0)
+        if share is None or name not in snap.adaptive or name in snap.embeddings or name in skip:
+            continue
+        if math.isfinite(lr) and lr > 0 and size and norm > 0:
+            judged[name] = (share, lr, norm / math.sqrt(size))
+    if not judged:
+        return []
+    sizes = {name: snap.weight_sizes[name] for name in judged}
+    total = sum(sizes.values())
+    share = sum(judged[name][0] * size for name, size in sizes.items()) / total
+    rms = math.sqrt(sum(snap.weights[name] ** 2 for name in judged) / total)
+    lr = statistics.median(lr for _, lr, _ in judged.values())
+    dtype, eps = snap.half[next(iter(judged))]
+    if share >= ROUNDED or lr >= rms * eps / 2:
+        return []
+    mixed = '"bf16-mixed"' if dtype == "bfloat16" else '"16-mixed"'
+    said = _listed(list(judged)) + (
+        f" barely learn: an optimizer step changed only {share:.0%} of their {dtype} weights. The numbers near "
+        f"their size (RMS {rms:.1g}) lie {rms * eps:.0e} apart, and a step of about the learning rate ({lr:.0e}) is "
+        f"under half that: it rounds to no change. Keep the weights in float32 (`precision={mixed}`), or use an "
+        f"optimizer that makes up for the rounding (Kahan summation, stochastic rounding)."
+    )
+    return [Evidence("update_ratio", tuple(label(name) for name in list(judged)[:SHOWN_LAYERS]), share, ROUNDED, said)]
 
 
 def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:

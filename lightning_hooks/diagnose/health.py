@@ -28,6 +28,7 @@ from lightning_hooks.diagnose.checks import (
     input_scale,
     no_learning,
     nonfinite,
+    rounded_away,
     saturation,
     silent_units,
     unoptimized,
@@ -180,7 +181,9 @@ class HealthTracker:
             immediate += self._norm_growth(snap)
             immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
-            persistent += update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap))
+            persistent += rounded_away(snap, skip) or update_ratio(
+                snap, self.limits, skip, scheduled, converged, self._faded(snap)
+            )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)
         if "activation_growth" in on:

@@ -255,10 +255,14 @@ class ParamGradRecorder:
         update_ratio: bool = False,
         weight_norms: bool = False,
         observe: bool = True,
+        changed_shares: bool = False,
     ) -> None:
         self.batch, self.histograms, self.update_ratio = batch, histograms, update_ratio
         self.weight_norms = weight_norms
         """Also keep ``||w_before||`` of each parameter with an update ratio, under ``("wnorm", <name>)``."""
+        self.changed_shares = changed_shares
+        """Also keep the share of the values the step changed of each half-precision parameter with an update ratio,
+        under ``("changed", <name>)``: an update below half the spacing of its numbers rounds to no change."""
         self.observe = observe
         """Observe the gradients (``False``: only the update ratios, for a caller that reads gradients its way)."""
         self.pooled = False
@@ -290,7 +294,8 @@ class ParamGradRecorder:
         if self.observe:
             self.batch.add_many([("param", name) for name, _ in read], grads, self.histograms)
         if self.update_ratio:
-            handles.add(optimizer.register_step_post_hook(_UpdateRatio(self.batch, read, self.weight_norms)))
+            hook = _UpdateRatio(self.batch, read, self.weight_norms, self.changed_shares)
+            handles.add(optimizer.register_step_post_hook(hook))
 
 
 class _UpdateRatio:
@@ -298,8 +303,14 @@ class _UpdateRatio:
     (a sharded one's change and weight as states, see :class:`ParamGradRecorder`). The parameters of one device,
     dtype and shape are copied and compared stacked, a few operators for each shape rather than for each parameter."""
 
-    def __init__(self, batch: StatBatch, params: list[tuple[str, nn.Parameter]], weight_norms: bool = False) -> None:
-        self.batch, self.weight_norms = batch, weight_norms
+    def __init__(
+        self,
+        batch: StatBatch,
+        params: list[tuple[str, nn.Parameter]],
+        weight_norms: bool = False,
+        changed_shares: bool = False,
+    ) -> None:
+        self.batch, self.weight_norms, self.changed_shares = batch, weight_norms, changed_shares
         groups: dict[tuple[torch.device, torch.dtype, torch.Size], list[tuple[str, nn.Parameter]]] = {}
         self.sharded: list[tuple[str, nn.Parameter, torch.Tensor]] = []
         with torch.no_grad():
@@ -318,14 +329,25 @@ class _UpdateRatio:
             self.batch.add(("weight", name), old)
         if not before:
             return
+        changes, shares, halves = [], [], []
         with torch.no_grad():
-            changes = [_norms(_stacked(group).sub_(old)) for group, old in before]
+            for group, old in before:
+                change = _stacked(group).sub_(old)
+                changes.append(_norms(change))
+                if self.changed_shares and old.dtype in _HALF:
+                    shares.append(change.ne(0).sum(1) / change.shape[1])
+                    halves += [name for name, _ in group]
             scales = [_norms(old) for _, old in before]
             change, scale = torch.cat(changes).double(), torch.cat(scales).double().clamp_min_(1e-12)
         names = [name for group, _ in before for name, _ in group]
         self.batch.add_scalars([("ratio", name) for name in names], change / scale)
         if self.weight_norms:
             self.batch.add_scalars([("wnorm", name) for name in names], scale)
+        if halves:
+            self.batch.add_scalars([("changed", name) for name in halves], torch.cat(shares))
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _stacked(group: list[tuple[str, nn.Parameter]]) -> torch.Tensor:
