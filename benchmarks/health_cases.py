@@ -773,6 +773,30 @@ def cut_features(fixed: bool) -> Built:
     return (Net if fixed else CutFeatures)(mlp(64, 10), Optim("adam", 1e-3)), Tensors(x / 16, y, batch_size=32)
 
 
+class ManualNet(Net):
+    """A :class:`Net` under manual optimization, zeroing ``.grad`` after each step unless ``zero`` is false."""
+
+    def __init__(self, *args: Any, zero: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization, self.zero = False, zero
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        optimizer = self.optimizers()
+        loss, accuracy = self.loss_and_accuracy(batch)
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        if self.zero:
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        return {"loss": loss.detach(), **({} if accuracy is None else {"accuracy": accuracy.detach()})}
+
+
+def never_zeroed(fixed: bool) -> Built:
+    """A digits MLP under manual optimization that never calls ``optimizer.zero_grad()``: each step applies the sum
+    of every gradient so far."""
+    x, y = digits(flat=True)
+    return ManualNet(mlp(64, 10), Optim("adam", 1e-3), zero=fixed), Tensors(x / 16, y, batch_size=32)
+
+
 class StepDecay(Net):
     """A :class:`Net` under SGD with momentum and ``StepLR(step_size=10, gamma=0.1)``, a schedule that counts epochs,
     stepped every ``interval``."""
@@ -925,6 +949,10 @@ def programs() -> list[Program]:
         Program(
             "hidden features detached before the head", "mlp", partial(cut_features, False),
             partial(cut_features, True), str(adam), symptom="no_learning", layer="net.0", measurable_step=0,
+        ),
+        Program(
+            "manual optimization without zero_grad", "mlp", partial(never_zeroed, False),
+            partial(never_zeroed, True), str(adam), symptom="exploding_gradients", layer=None, measurable_step=1,
         ),
         Program(
             "an epoch schedule stepped every batch", "mlp", partial(epoch_schedule, False),

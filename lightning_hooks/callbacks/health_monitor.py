@@ -199,12 +199,17 @@ class HealthMonitor(StatsCallback):
         self._ring: _LossRing | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
+        self._batch_start_step: int | None = None  # the optimizer steps taken when the previous batch began
+        self._stepped_before = False  # whether the previous batch took an optimizer step
+        self._carry: list[tuple[str, _Carried]] = []  # under manual optimization, whether `.grad` is zeroed
+        self._carried: dict[str, list[str]] = {}  # the layers of each optimizer behind a ("carried", <i>) vector
         self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             **super().__getstate__(),
             **{"_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": [], "_missing": {}},
+            **{"_carry": []},
         }
 
     @property
@@ -282,11 +287,14 @@ class HealthMonitor(StatsCallback):
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._lrs, self._eps = {}, {}
         self._overflow = []
+        self._carry, self._carried = [], {}
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        steps, self._batch_start_step = self._batch_start_step, trainer.global_step
+        self._stepped_before = steps is not None and steps != trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
             self._units.batch_tensors = {}  # a previous micro-batch's tensors are freed: their addresses reused
@@ -301,6 +309,11 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._units.prepend = self._tensor_parallel
             self._units.attach(self._leaves, self._step_handles)
+        manual = not pl_module.automatic_optimization  # Lightning zeroes `.grad` itself otherwise
+        if manual and self._stepped_before and not self._carry and "exploding_gradients" in self.checks:
+            for name, p in sorted(self._params, key=lambda named: named[1].numel())[:CARRY_SAMPLE]:
+                self._carry.append((name, _Carried(p)))
+                self._step_handles.add(p.register_hook(self._carry[-1][1]))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -329,7 +342,18 @@ class HealthMonitor(StatsCallback):
                 stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
                 self._adaptive.update(layer for layer in stepped if layer is not None)
             self._record_grads(optimizer)
+            self._record_carried(optimizer)
             self._grads.record(self._params, optimizer, self._step_handles)
+
+    def _record_carried(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under manual optimization, for the followed parameters that ``optimizer`` steps: whether ``.grad`` held
+        gradients from before the previous optimizer step (see :class:`_Carried`), and the layers it steps."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        found = [row for _, hook in self._carry if id(hook.param) in stepped and (row := hook.evidence()) is not None]
+        if found:
+            key = str(len(self._carried))
+            self._carried[key] = list(dict.fromkeys(self._owner[n] for n, p in self._params if id(p) in stepped))
+            self._batch.add_vector(("carried", key), torch.cat(found))
 
     def _step_now(self) -> int:
         """The current batch's optimizer step, read once at its start: the recorded one, or :meth:`due_step`'s."""
@@ -397,6 +421,19 @@ class HealthMonitor(StatsCallback):
             found[layer] = tuple(values[start : start + 2 * n])
             start += 2 * n
         return found
+
+    def _carried_layers(self, fetched: Fetched) -> list[str]:
+        """The layers of the optimizers each of whose followed parameters' ``.grad`` still held, when their next
+        gradient came, what it held at the previous optimizer step, and still does at this one: nothing zeroed it."""
+        layers: list[str] = []
+        for key, names in self._carried.items():
+            values = fetched.vectors.get(("carried", key), [])
+            rows = list(zip(values[0::3], values[1::3], values[2::3], strict=True))
+            if rows and all(
+                old > 0 and abs(now - old - fresh) <= CARRY_MATCH * (old + abs(fresh)) for old, fresh, now in rows
+            ):
+                layers += names
+        return layers
 
     def _unoptimized(self, trainer: pl.Trainer) -> frozenset[str]:
         """The layers with a parameter that has a gradient but is in none of the Trainer's optimizers (none when there
@@ -543,11 +580,50 @@ class HealthMonitor(StatsCallback):
             norms=norms,
             norm_layers=self._norm_layers,
             unoptimized=self._unoptimized(trainer) if self._watch_grads else frozenset(),
+            carried=self._carried_layers(fetched),
             ungraded=self._fingerprints(fetched),
             total_steps=_total_steps(trainer),
             leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
+
+
+CARRY_SAMPLE = 8
+"""How many parameters, the smallest, tell whether ``.grad`` is zeroed between steps under manual optimization."""
+CARRY_MATCH = 1e-3
+"""The rounding allowed between a ``.grad`` never zeroed and the sum of what it held and what was added to it."""
+
+
+class _Carried:
+    """Tensor hook on a parameter for one step under manual optimization, the previous batch having stepped the
+    optimizer. The first gradient to come finds in ``.grad`` what it held at that step, unless it was zeroed since:
+    it keeps its L1 norm and its signs, then sums every gradient's projection on those signs. :meth:`evidence` adds
+    the projection of ``.grad`` at this step: equal to the two sums together when nothing zeroed ``.grad`` in between
+    (a GAN's discriminator, whose ``.grad`` the generator's backward added to and which is then zeroed, is not)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        self.signs: torch.Tensor | None = None
+        self.old: torch.Tensor | None = None
+        self.fresh: list[torch.Tensor] = []
+        self.started = False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if not self.started:
+            self.started = True
+            old = self.param.grad
+            if old is not None and old.layout == torch.strided and not old.is_complex():
+                self.signs, self.old = old.detach().sign(), old.detach().abs().sum()
+        if self.signs is not None and grad.layout == torch.strided:
+            self.fresh.append((grad.detach() * self.signs).sum())
+
+    def evidence(self) -> torch.Tensor | None:
+        """``[L1 of the old .grad, the gradients' projection, .grad's projection now]``, or None (nothing carried)."""
+        grad = self.param.grad
+        if self.signs is None or self.old is None or grad is None or grad.layout != torch.strided:
+            return None
+        fresh = torch.stack(self.fresh).sum() if self.fresh else torch.zeros_like(self.old)
+        return torch.stack([self.old, fresh, (grad.detach() * self.signs).sum()]).float()
 
 
 def _learning_rate(group: dict[str, Any]) -> float:

@@ -22,6 +22,7 @@ __all__ = [
     "SHOWN_LAYERS",
     "Snapshot",
     "Thresholds",
+    "carried",
     "cut_off",
     "rounded_away",
     "dead_units",
@@ -82,6 +83,7 @@ class Snapshot:
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
     unoptimized: frozenset[str] = frozenset()  # layers with a gradient that no optimizer steps (nor zeroes)
+    carried: Sequence[str] = ()  # layers whose `.grad` nothing zeroes between optimizer steps (manual optimization)
     ungraded: dict[str, tuple[float, ...]] = field(default_factory=dict)  # leaves that ran, stepped with no gradient:
     # a fingerprint of their weights
     total_steps: float = math.inf  # the optimizer steps the fit will take (``Trainer.estimated_stepping_batches``)
@@ -460,6 +462,18 @@ def cut_off(layers: Sequence[str], step: int) -> Evidence:
         f"on the way to the loss); if {'it is' if one else 'they are'} meant to stay frozen, set `requires_grad=False`."
     )
     return Evidence("no_learning", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, 0.0, said, step)
+
+
+def carried(layers: Sequence[str], step: int) -> Evidence:
+    """Layers whose ``.grad`` nothing zeroes between optimizer steps (manual optimization without ``zero_grad``): every
+    step applies the sum of all the gradients so far, and the gradient norm keeps growing."""
+    said = _listed(layers) + (
+        f": `.grad` is not zeroed between optimizer steps: at step {step} it still held the gradients of the steps "
+        f"before when the next backward began, so each step applies the sum of every gradient so far and the gradient "
+        f"norm keeps growing. Under manual optimization call `optimizer.zero_grad()` after `optimizer.step()` (or "
+        f"before `self.manual_backward(loss)`)."
+    )
+    return Evidence("exploding_gradients", tuple(label(n) for n in layers[:SHOWN_LAYERS]), 0.0, 0.0, said)
 
 
 def _listed(layers: Sequence[str]) -> str:

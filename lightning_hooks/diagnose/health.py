@@ -21,6 +21,7 @@ from lightning_hooks.diagnose.checks import (
     Evidence,
     Snapshot,
     Thresholds,
+    carried,
     cut_off,
     dead_units,
     giant_steps,
@@ -149,6 +150,7 @@ class HealthTracker:
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
+        self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
@@ -165,7 +167,9 @@ class HealthTracker:
             self._seen_weights.add(name)
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
-        skip = frozenset(self._zero_start)
+        self._carried |= frozenset(snap.carried)
+        skip = frozenset(self._zero_start) | self._carried  # the gradient of a `.grad` never zeroed: a running sum
+        left_out = snap.unoptimized | self._carried
         scheduled = self._scheduled(snap)
         settling, learning, converged = self._settle(snap)
         stalled = no_learning(snap, self.limits)  # then no layer learns less than another
@@ -178,7 +182,8 @@ class HealthTracker:
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
             persistent += [e for e in gradient_spread(snap, self.limits, skip, converged) if e.check in on]
         if "exploding_gradients" in on:
-            immediate += self._norm_growth(snap)
+            immediate += [carried(snap.carried, snap.step)] if snap.carried else []
+            immediate += self._norm_growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
         if "update_ratio" in on and judged:
             persistent += rounded_away(snap, skip) or update_ratio(
@@ -293,16 +298,17 @@ class HealthTracker:
                     kept.popleft()  # of 100 k units kept 64 checks of each, 6.4 M flags
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
 
-    def _norm_growth(self, snap: Snapshot) -> list[Evidence]:
+    def _norm_growth(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
         """The total gradient norm (per layer, its median since the last logging step) rising ``norm_growth``-fold
-        over ``patience`` or more logging steps in a row, or over consecutive steps until it overflowed."""
+        over ``patience`` or more logging steps in a row, or over consecutive steps until it overflowed; without the
+        layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
             if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
                 self._step_norms.clear()
                 continue
-            layer_norms = _per_layer(norms, snap.norm_layers, snap.unoptimized)
+            layer_norms = _per_layer(norms, snap.norm_layers, left_out)
             total = math.sqrt(math.fsum(v * v for v in layer_norms.values()))
             if math.isfinite(total):
                 steps.append(layer_norms)
@@ -311,7 +317,9 @@ class HealthTracker:
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
             found += self._grew(run, "steps in a row, then overflowed", overflowed=True)
-        level = {n: statistics.median(row[n] for row in steps) for n in steps[0]} if steps else _per_layer_of(snap)
+        level = _per_layer_of(snap, left_out)
+        if steps:
+            level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
             found += self._grew(list(self._logged_norms), "logging steps in a row")
@@ -412,7 +420,9 @@ class HealthTracker:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
-                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers, snap.unoptimized)
+                    spike = self._spike(
+                        step, loss, median, z, norms, snap.norm_layers, snap.unoptimized | self._carried
+                    )
                     if self._last_spike is not None and self._last_spike[0] == step - 1:
                         spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
                     self._last_spike = (step, spike)
@@ -489,9 +499,9 @@ def _ratio(new: float, old: float) -> float:
     return new / old if old > 0 else (math.inf if new > 0 else 1.0)
 
 
-def _per_layer_of(snap: Snapshot) -> dict[str, float]:
-    """Each layer's gradient norm in the snapshot."""
-    return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items()}
+def _per_layer_of(snap: Snapshot, left_out: frozenset[str]) -> dict[str, float]:
+    """Each layer's gradient norm in the snapshot, but for the layers ``left_out``."""
+    return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items() if name not in left_out}
 
 
 def _per_layer(norms: Sequence[float], layers: Sequence[str], left_out: frozenset[str]) -> dict[str, float]:

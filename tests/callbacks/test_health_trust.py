@@ -1079,3 +1079,91 @@ def test_updates_rounded_away_in_bfloat16_weights_are_named(
         assert found[0].layers[0] == "model.net.bert.embeddings.LayerNorm"  # in model order; not the embedding tables
         assert "of their bfloat16 weights" in found[0].message
         assert '`precision="bf16-mixed"`' in found[0].message
+
+
+class Manual(Fit):
+    """``Fit`` under manual optimization, zeroing ``.grad`` after the step, before the backward, or ``never``;
+    stepping every ``every`` batches."""
+
+    def __init__(self, *args: Any, zero: str = "after", every: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self.zero, self.every = zero, every
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        assert isinstance(optimizer, pl.core.optimizer.LightningOptimizer)
+        if self.zero == "before":
+            optimizer.zero_grad()
+        loss = self.loss(self.net, *batch)
+        self.manual_backward(loss / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            optimizer.step()
+            if self.zero == "after":
+                optimizer.zero_grad()
+        return loss.detach()
+
+
+@pytest.mark.parametrize(
+    ("zero", "every", "expected"),
+    [
+        ("never", 1, [("exploding_gradients", ("net.0", "net.2"), 10)]),
+        ("after", 1, []),
+        ("before", 1, []),
+        ("after", 4, []),
+    ],
+    ids=["never", "after the step", "before the backward", "accumulating 4 batches"],
+)
+def test_gradients_never_zeroed_under_manual_optimization_are_named_as_such(
+    tmp_path: Path, zero: str, every: int, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # Manual optimization without `optimizer.zero_grad()`: every step applies the sum of all gradients so far. The
+    # monitor read the growing sum as exploding gradients, whose fix is clipping; the fix is to zero `.grad`.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16)
+    y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = Manual(net, x, y, lambda net, x, y: F.cross_entropy(net(x), y), zero=zero, every=every)
+    found = fit(tmp_path, model, steps=150, every=10)
+    assert [(f.check, f.layers, f.step) for f in found] == expected
+    if found:
+        assert "call `optimizer.zero_grad()` after `optimizer.step()`" in found[0].message
+
+
+class TwoPlayers(pl.LightningModule):
+    """A GAN whose generator's backward adds to the discriminator's `.grad`, which is zeroed just before its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh())
+        self.critic = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        self.real = seeded(512, 16).tanh()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (real,) = batch
+        g_opt, d_opt = self.optimizers()  # type: ignore[misc]
+        fake = self.generator(torch.randn(len(real), 8))
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        g_opt.zero_grad()
+        self.manual_backward(F.binary_cross_entropy_with_logits(self.critic(fake), ones))
+        g_opt.step()
+        d_opt.zero_grad()
+        d_loss = F.binary_cross_entropy_with_logits(self.critic(real), ones)
+        d_loss = d_loss + F.binary_cross_entropy_with_logits(self.critic(fake.detach()), zeros)
+        self.manual_backward(d_loss)
+        d_opt.step()
+        return d_loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(m.parameters(), lr=2e-4, betas=(0.5, 0.999)) for m in (self.generator, self.critic)]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.real), batch_size=32, shuffle=True)
+
+
+def test_a_gan_zeroing_each_player_before_its_own_backward_is_not_named(tmp_path: Path) -> None:
+    # The critic's `.grad` still holds its last step's gradient when the generator's backward adds to it, and is
+    # zeroed before the critic's own backward: at the critic's step it holds only that backward's gradient.
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, TwoPlayers(), steps=300, every=10) == []
