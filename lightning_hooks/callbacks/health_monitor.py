@@ -206,11 +206,8 @@ class HealthMonitor(StatsCallback):
         self._checked_until = -1  # the last step checked in this fit
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            **super().__getstate__(),
-            **{"_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": [], "_missing": {}},
-            **{"_carry": []},
-        }
+        dropped: dict[str, Any] = {"_leaves": [], "_params": [], "_ring": None, "_scaler": None, "_overflow": []}
+        return {**super().__getstate__(), **dropped, "_missing": {}, "_carry": []}
 
     @property
     def findings(self) -> list[HealthFinding]:

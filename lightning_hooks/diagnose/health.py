@@ -317,9 +317,10 @@ class HealthTracker:
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
             found += self._grew(run, "steps in a row, then overflowed", overflowed=True)
-        level = _per_layer_of(snap, left_out)
         if steps:
             level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
+        else:
+            level = _per_layer_of(snap, left_out)
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
             found += self._grew(list(self._logged_norms), "logging steps in a row")
