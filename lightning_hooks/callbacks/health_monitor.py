@@ -573,6 +573,11 @@ class HealthMonitor(StatsCallback):
                 layer: (str(dtype).removeprefix("torch."), torch.finfo(dtype).eps)
                 for layer, dtype in self._half.items()
             },
+            eps_lost=frozenset(  # float16's smallest number is 6e-8: Adam's 1e-8 rounds to 0
+                layer
+                for layer, dtype in self._half.items()
+                if (eps := self._eps.get(layer)) is not None and float(torch.tensor(eps, dtype=dtype)) == 0
+            ),
             losses=losses,
             norms=norms,
             norm_layers=self._norm_layers,

@@ -79,6 +79,7 @@ class Snapshot:
     weights: dict[str, float] = field(default_factory=dict)  # ||w|| per layer
     changed: dict[str, float] = field(default_factory=dict)  # per half-precision layer, the share of weights stepped
     half: dict[str, tuple[str, float]] = field(default_factory=dict)  # per half-precision layer, its dtype and eps
+    eps_lost: frozenset[str] = frozenset()  # half-precision layers whose optimizer's eps rounds to 0 in their dtype
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of each step since the last snapshot
     norms: list[list[float]] = field(default_factory=list)  # of those steps, each parameter's gradient norm
     norm_layers: Sequence[str] = ()  # the layer of each of those parameters
@@ -525,7 +526,9 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
     Gradients that a ``GradScaler`` found overflowing, and skipped, are fp16 loss scaling at work while its scale
     stays at least 1 (``snap.skipped_at_scale``): it halves the scale and goes on. Below 1 they overflow unscaled.
-    A ``NonFiniteGuard`` finding in the same Trainer (``snap.guard``) is named first.
+    A ``NonFiniteGuard`` finding in the same Trainer (``snap.guard``) is named first. A model whose float16 weights
+    an optimizer steps with an ``eps`` that float16 rounds to 0 (``snap.eps_lost``: Adam's 1e-8) is told so: every
+    weight whose gradient is exactly zero then gets 0 / 0.
     """
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
     layers: list[str] = []
@@ -563,10 +566,18 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         named = [layer, *(n for n in named if n != layer)]
         note = f" `NonFiniteGuard` found at step {step}: {line}."
     first = min([*bad_losses, *([snap.guard[1]] if snap.guard else [])], default=None)
-    said += (
-        "; add `NonFiniteGuard()` to name the operation that made them, and look for a division by zero, a log or "
-        f"sqrt of a non-positive number, or an overflow.{note}"
-    )
+    if lost := [name for name in snap.order if name in snap.eps_lost]:
+        dtype, eps = snap.half[lost[0]][0], snap.eps[lost[0]]
+        said += (
+            f"; the optimizer steps {dtype} weights with an eps ({eps:.0e}) that {dtype} rounds to 0, so it divides 0 "
+            f"by 0 for every weight whose gradient is exactly zero (an embedding's unused rows) and makes it NaN. Set "
+            f'the optimizer\'s eps to 1e-4 or more, or keep float32 weights (`precision="16-mixed"`).{note}'
+        )
+    else:
+        said += (
+            "; add `NonFiniteGuard()` to name the operation that made them, and look for a division by zero, a log or "
+            f"sqrt of a non-positive number, or an overflow.{note}"
+        )
     return [Evidence("nonfinite", tuple(named[:SHOWN_LAYERS]) or ("root",), count, 0.0, said, step=first)]
 
 

@@ -1167,3 +1167,26 @@ def test_a_gan_zeroing_each_player_before_its_own_backward_is_not_named(tmp_path
     # zeroed before the critic's own backward: at the critic's step it holds only that backward's gradient.
     pl.seed_everything(0, verbose=False)
     assert fit(tmp_path, TwoPlayers(), steps=300, every=10) == []
+
+
+class WithEps(Scheduled):
+    def __init__(self, model: pl.LightningModule, lr: float, eps: float) -> None:
+        super().__init__(model, lr, None)
+        self.eps = eps
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=self.eps)
+
+
+@pytest.mark.parametrize(("eps", "named"), [(1e-8, True), (1e-4, False)])
+def test_nan_from_an_eps_that_float16_rounds_to_zero_names_the_eps(tmp_path: Path, eps: float, named: bool) -> None:
+    # `precision="16-true"` under AdamW's default eps: 1e-8 is below float16's smallest number (6e-8) and rounds to 0,
+    # so the first step divides 0 by 0 for every weight whose gradient is exactly zero (the rows of the embedding that
+    # the batch did not use) and they become NaN (checked apart on an nn.Embedding: NaN rows with eps 1e-8, none with
+    # 1e-4). The monitor said to look for a division by zero in the model.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, WithEps(third_party("bert"), 1e-4, eps), steps=12, every=5, precision="16-true")
+    assert [f.check for f in found] == (["nonfinite"] if named else [])
+    if named:
+        assert "an eps (1e-08) that float16 rounds to 0" in found[0].message
+        assert "Set the optimizer's eps to 1e-4 or more" in found[0].message
