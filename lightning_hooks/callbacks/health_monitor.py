@@ -308,7 +308,8 @@ class HealthMonitor(StatsCallback):
             self._units.attach(self._leaves, self._step_handles)
         manual = not pl_module.automatic_optimization  # Lightning zeroes `.grad` itself otherwise
         if manual and self._stepped_before and not self._carry and "exploding_gradients" in self.checks:
-            for name, p in sorted(self._params, key=lambda named: named[1].numel())[:CARRY_SAMPLE]:
+            trainable = [(name, p) for name, p in self._params if p.requires_grad]  # a backbone frozen since setup
+            for name, p in sorted(trainable, key=lambda named: named[1].numel())[:CARRY_SAMPLE]:
                 self._carry.append((name, _Carried(p)))
                 self._step_handles.add(p.register_hook(self._carry[-1][1]))
 
@@ -360,7 +361,7 @@ class HealthMonitor(StatsCallback):
         """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
-        self._missing.update((n, p) for n, p in self._params if p.grad is None and id(p) in stepped)
+        self._missing.update((n, p) for n, p in self._params if p.grad is None and p.requires_grad and id(p) in stepped)
         self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
         if read:
             self._read.update(id(p) for _, p in read)

@@ -1190,3 +1190,21 @@ def test_nan_from_an_eps_that_float16_rounds_to_zero_names_the_eps(tmp_path: Pat
     if named:
         assert "an eps (1e-08) that float16 rounds to 0" in found[0].message
         assert "Set the optimizer's eps to 1e-4 or more" in found[0].message
+
+
+class FreezesFirst(Manual):
+    """``Manual`` that freezes its first layer after a few steps (as a fine-tuning schedule does)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 3:
+            self.net[0].requires_grad_(False)
+
+
+def test_a_layer_frozen_during_a_manual_fit_is_not_hooked(tmp_path: Path) -> None:
+    # `register_hook` refuses a tensor that does not require a gradient: hooking the frozen layer killed the fit; and
+    # once that was mended, the frozen layer, which runs and gets no gradient, was named as cut from the loss.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 16)
+    y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    assert fit(tmp_path, FreezesFirst(net, x, y, lambda net, x, y: F.cross_entropy(net(x), y)), 40, every=10) == []
