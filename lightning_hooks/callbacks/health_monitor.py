@@ -336,17 +336,17 @@ class HealthMonitor(StatsCallback):
                         self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
                         if isinstance(eps := group.get("eps"), float):  # Adafactor's is a pair
                             self._eps[layer] = eps
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not isinstance(optimizer, torch.optim.SGD):
-                stepped = (self._layer_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
-                self._adaptive.update(layer for layer in stepped if layer is not None)
-            self._record_grads(optimizer)
-            self._record_carried(optimizer)
+                self._adaptive.update(layer for i in stepped if (layer := self._layer_of.get(i)) is not None)
+            self._record_grads(stepped)
+            self._record_carried(stepped)
             self._grads.record(self._params, optimizer, self._step_handles)
 
-    def _record_carried(self, optimizer: torch.optim.Optimizer) -> None:
-        """Under manual optimization, for the followed parameters that ``optimizer`` steps: whether ``.grad`` held
-        gradients from before the previous optimizer step (see :class:`_Carried`), and the layers it steps."""
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    def _record_carried(self, stepped: set[int]) -> None:
+        """Under manual optimization, for the followed parameters that the optimizer steps (the ids ``stepped``):
+        whether ``.grad`` held gradients from before its previous step (see :class:`_Carried`), and the layers it
+        steps."""
         found = [row for _, hook in self._carry if id(hook.param) in stepped and (row := hook.evidence()) is not None]
         if found:
             key = str(len(self._carried))
@@ -357,9 +357,9 @@ class HealthMonitor(StatsCallback):
         """The current batch's optimizer step, read once at its start: the recorded one, or :meth:`due_step`'s."""
         return self.batch_step if self.gate.step is None else self.gate.step
 
-    def _record_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Each of ``optimizer``'s watched gradients' L1 norm and squared L2 norm, as one vector (not read twice)."""
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    def _record_grads(self, stepped: set[int]) -> None:
+        """Each watched gradient's L1 norm and squared L2 norm, of the parameters the optimizer steps (the ids
+        ``stepped``), as one vector (not read twice); and which of them it steps without a gradient."""
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
         self._missing.update((n, p) for n, p in self._params if p.grad is None and p.requires_grad and id(p) in stepped)
         self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
@@ -398,6 +398,7 @@ class HealthMonitor(StatsCallback):
         per_unit = frozenset(self._units.per_unit)
         fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}, per_unit))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
+        self._carry, self._missing = [], {}  # the zero_grad hooks' sign copies are not kept to the next logging step
         self._checked_until = step
         new = self._tracker.update(snap)
         if self._ring is not None:

@@ -196,7 +196,7 @@ class HealthTracker:
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
-            immediate += self._loss_spikes(snap)
+            immediate += self._loss_spikes(snap, left_out)
         if "saturation" in on:
             persistent += self._saturation(snap, learning)
         if "input_scale" in on:
@@ -406,10 +406,11 @@ class HealthTracker:
             top = max(top, rms)
         return found
 
-    def _loss_spikes(self, snap: Snapshot) -> list[Evidence]:
+    def _loss_spikes(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
         """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
         rolling median as it stood then, and :data:`SPIKE_TAIL` times further above it than the highest settled loss
-        of the window; a spike on the step right after another extends that finding."""
+        of the window; a spike on the step right after another extends that finding. The layers ``left_out`` (their
+        ``.grad`` only grows) are not named."""
         found = []
         level = self._level()
         highest = max((loss for step, loss in self._losses if step >= SETTLED), default=-math.inf)
@@ -421,9 +422,7 @@ class HealthTracker:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
-                    spike = self._spike(
-                        step, loss, median, z, norms, snap.norm_layers, snap.unoptimized | self._carried
-                    )
+                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers, left_out)
                     if self._last_spike is not None and self._last_spike[0] == step - 1:
                         spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
                     self._last_spike = (step, spike)
@@ -462,7 +461,7 @@ class HealthTracker:
     ) -> Evidence:
         """A spike at ``step``, named after the layers whose gradient norm jumped within :data:`ALIKE` of the most
         (a layer's jump: the least of its parameters' against their window's median), nearest the output first; not
-        the layers ``left_out`` (no optimizer steps them)."""
+        the layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
             if name in left_out:
@@ -507,7 +506,7 @@ def _per_layer_of(snap: Snapshot, left_out: frozenset[str]) -> dict[str, float]:
 
 def _per_layer(norms: Sequence[float], layers: Sequence[str], left_out: frozenset[str]) -> dict[str, float]:
     """Per-parameter norms pooled into their layers' (the 2-norm of the layer's parameters together), but for the
-    layers ``left_out`` (no optimizer steps them: their ``.grad`` only grows)."""
+    layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
     squares: dict[str, float] = {}
     for value, name in zip(norms, layers, strict=False):
         if name not in left_out:
