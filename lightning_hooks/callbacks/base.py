@@ -115,18 +115,21 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
 
     Excepted, because nothing the user trains goes unseen: a module without parameters (transformers' attention
     dropout, which the attention kernel applies), a container whose parent calls its children (OPT's decoder,
-    called past its model; a ``Sequential`` iterated), a module whose weights another module uses (tied embeddings),
-    a container without a forward, a LightningModule whose ``forward`` is Lightning's pass-through.
+    called past its model; a ``Sequential`` iterated), a module whose weights another module uses (tied embeddings;
+    the ``out_proj`` of an ``nn.MultiheadAttention``, whose forward hands its weights to the attention function), a
+    container without a forward, a LightningModule whose ``forward`` is Lightning's pass-through.
     """
     recorded = _RECORDED.pop(trainer, None)
     if recorded is None:
         return
     ran = {id(recorded.selected[name]) for name in recorded.fired if name in recorded.selected}
     used = {id(p) for m in recorded.selected.values() if id(m) in ran for p in m.parameters(recurse=False)}
+    lent = {id(m.out_proj) for m in trainer.lightning_module.modules() if isinstance(m, nn.MultiheadAttention)}
 
     def unseen(m: nn.Module) -> bool:
         return (
             type(m).forward not in (nn.Module.forward, LightningModule.forward)
+            and id(m) not in lent
             and not any(id(inner) in ran for inner in m.modules())  # the module itself first: most ran
             and not {id(p) for p in m.parameters()} <= used
         )
@@ -145,9 +148,8 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
     rank_zero_warn(
         f"lightning_hooks ({', '.join(recorded.owners)}): {len(silent)} selected module(s) never ran in any training "
         f"step they recorded in this fit, so there is nothing to show for them: {shown}. {compile_hint}Other causes: "
-        f"a module unused in `forward`, a module that runs on some steps only (an expert no token was routed to on "
-        f"the recorded steps), or a fused fast path that skips submodules (`nn.TransformerEncoder` in eval mode). "
-        f"Leave them out with `exclude=[...]` or `types=[...]` to silence this."
+        f"a module unused in `forward`, or one that runs on some steps only (an expert no token was routed to on the "
+        f"recorded steps). Leave them out with `exclude=[...]` or `types=[...]` to silence this."
     )
 
 

@@ -124,24 +124,16 @@ class AttentionNet(ZooModule):
 
 
 class TransformerNet(ZooModule):
-    """A ``nn.TransformerEncoder``; with ``frozen_eval`` it is frozen and in eval mode, so its fast
-    path runs and its sub-layers are never called."""
+    """A ``nn.TransformerEncoder`` (its layers' fast path is off while any of their modules has a hook)."""
 
     input_shape = (6, 8)
     probe = "encoder"
 
-    def __init__(self, frozen_eval: bool = False, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, dropout=0.0)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(8, self.classes)
-        self.frozen_eval = frozen_eval
-        if frozen_eval:
-            self.encoder.requires_grad_(False)
-
-    def on_train_epoch_start(self) -> None:
-        if self.frozen_eval:
-            self.encoder.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x).mean(dim=1))
