@@ -23,6 +23,7 @@ __all__ = [
     "Snapshot",
     "Thresholds",
     "carried",
+    "copied_units",
     "cut_off",
     "rounded_away",
     "dead_units",
@@ -195,6 +196,41 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
             found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
         previous_dead, after_silent, weighted = is_dead, every, 0
     return found
+
+
+COPIES = 1e-4
+"""Output units whose sums of squares over a step agree to this share are copies of one another (the rounding of
+identical dot products computed apart stays below 1e-6; units of random weights differ by tens of percent)."""
+MIN_COPIES = 4
+"""``copied_units`` judges layers with at least this many output units."""
+
+
+def copied_units(snap: Snapshot) -> list[Evidence]:
+    """The first layer, in model order, whose output units (:data:`MIN_COPIES` or more, with :data:`MIN_SAMPLES`
+    values each) all had the same non-zero sum of squares, and the layers after it of which that holds too: every
+    unit computes the same function of the input, so each gets the same gradient and they stay copies; the layer
+    learns as one unit. Only weights that are the same for every unit make that (one constant for every weight,
+    ``nn.init.constant_``): a layer of random weights breaks it."""
+    copied = []
+    for name in snap.order:
+        sums, act = snap.units.get(name), snap.activations.get(name)
+        if not sums or len(sums) < MIN_COPIES or act is None or act.numel / len(sums) < MIN_SAMPLES:
+            continue
+        low, high = min(sums), max(sums)
+        if low > 0 and math.isfinite(high) and high - low <= COPIES * high:
+            copied.append(name)
+    if not copied:
+        return []
+    width, rest = len(snap.units[copied[0]]), copied[1:]
+    said = (
+        f"all {width} output units of `{label(copied[0])}` are copies of one another (the same sum of squares at "
+        f"every check){f', and so are those of {_listed(rest)}' if rest else ''}: they compute the same function, "
+        f"get the same gradient and stay copies, so the layer learns as one unit. The weights before it are the same "
+        f"for every unit (a constant initialisation, `nn.init.constant_` or `fill_`); draw them at random (PyTorch's "
+        f"default, or `nn.init.kaiming_uniform_` / `xavier_uniform_`)."
+    )
+    share = (width - 1) / width
+    return [Evidence("dead_units", tuple(label(n) for n in copied[:SHOWN_LAYERS]), share, 1 - 1 / MIN_COPIES, said)]
 
 
 def role(name: str) -> str:

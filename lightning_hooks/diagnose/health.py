@@ -22,6 +22,7 @@ from lightning_hooks.diagnose.checks import (
     Snapshot,
     Thresholds,
     carried,
+    copied_units,
     cut_off,
     dead_units,
     giant_steps,
@@ -179,6 +180,7 @@ class HealthTracker:
         judged = not stalled and not unseen
         if "dead_units" in on:
             immediate += self._dead_units(snap)
+            persistent += copied_units(snap)
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
             persistent += [e for e in gradient_spread(snap, self.limits, skip, converged) if e.check in on]
         if "exploding_gradients" in on:

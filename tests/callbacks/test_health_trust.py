@@ -876,6 +876,30 @@ def test_dead_units_at_the_output_or_in_a_wholly_silent_layer_say_what_to_fix(
     assert said in found[0].message
 
 
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh])
+def test_units_made_copies_of_one_another_by_a_constant_initialisation_are_named(
+    tmp_path: Path, activation: type[nn.Module]
+) -> None:
+    # Every weight 0.1: each hidden unit computes the same function, gets the same gradient and stays a copy of the
+    # others, so each layer learns as one unit. Before, nothing was said: no unit is silent, no gradient vanishes.
+    def build(constant: bool) -> Fit:
+        net = nn.Sequential(nn.Linear(8, 16), activation(), nn.Linear(16, 16), activation(), nn.Linear(16, 3))
+        for parameter in net.parameters() if constant else ():
+            nn.init.constant_(parameter, 0.1)
+        return Fit(net, x, (x @ seeded(8, 3)).argmax(1), lambda net, x, y: F.cross_entropy(net(x), y))
+
+    x = seeded(2048, 8)
+    pl.seed_everything(0, verbose=False)
+    model = build(constant=True)
+    found = fit(tmp_path, model, steps=30)
+    assert [(f.check, f.layers, f.step) for f in found] == [("dead_units", ("net.1", "net.3"), 0)]
+    assert "copies of one another" in found[0].message
+    assert "nn.init.constant_" in found[0].message
+    hidden = model.net[:2](x)
+    assert torch.equal(hidden, hidden[:, :1].expand_as(hidden))  # counted apart: every unit is still the first's copy
+    assert not fit(tmp_path / "drawn", build(constant=False), steps=30)  # PyTorch's own initialisation
+
+
 class Decayed(Fit):
     """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
 
