@@ -18,6 +18,7 @@ __all__ = [
     "input_scale",
     "no_learning",
     "saturation",
+    "saturated_layers",
     "silent_units",
     "SHOWN_LAYERS",
     "Snapshot",
@@ -121,6 +122,9 @@ class Evidence:
     message: str
     step: int | None = None
     """The step it belongs to when not the snapshot's (a loss spike between logging steps)."""
+    group: str | None = None
+    """Names the finding it makes or extends when that is not its check and layers: one finding over layers that come
+    and go (the layers saturated at each logging step)."""
 
 
 def silent_units(snap: Snapshot) -> dict[str, list[bool]]:
@@ -338,6 +342,7 @@ def update_ratio(
     scheduled: frozenset[str] = frozenset(),
     converged: bool = False,
     faded: dict[str, float] | None = None,
+    saturated: Sequence[str] = (),
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
@@ -353,7 +358,9 @@ def update_ratio(
     range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
     :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none; nor a
     layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead, which ``dead_units``
-    names), and a higher learning rate would change nothing.
+    names), and a higher learning rate would change nothing; nor a layer that runs before one of the ``saturated``
+    layers (which ``saturation`` names): the gradient reaching it passes through saturated units, and a higher
+    learning rate would not bring them back.
     But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
     the fit to go) is judged below the range: those below it make one finding, named after the schedule. Layers below
     the range with the median layer make one finding too: the learning rate is too low for the whole model.
@@ -378,6 +385,8 @@ def update_ratio(
     crawling: list[str] = []  # below the range with the median layer: the learning rate is too low for the model
     overall = statistics.median(judged.values()) if judged else math.inf
     everywhere = overall < limits.update_ratio_low
+    position = {name: i for i, name in enumerate(snap.order)}
+    squashed = max((position[n] for n in saturated if n in position), default=-1)  # the last saturated layer
     for name, ratio in judged.items():
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
             continue
@@ -398,7 +407,7 @@ def update_ratio(
         elif below and name not in scheduled and not converged and everywhere and not slower:
             crawling.append(name)
             continue
-        elif below and name not in scheduled and not converged:
+        elif below and name not in scheduled and not converged and position[name] > squashed:
             threshold = limits.update_ratio_low
             said = (
                 f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "
@@ -679,13 +688,14 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 
 def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:
-    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds; and one of
-    them that is the model's last layer and whose gradient sums to zero over each row (:data:`ROWS_SUM_TO_ZERO`): a
-    loss such as ``cross_entropy`` took its outputs for logits and applies a softmax of its own, so a softmax's
-    gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's confidence; or whose gradient
-    is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a sigmoid of its own. A loss of a
-    softmax's probabilities themselves (``nll_loss`` of their log, a ``Categorical(probs=...)``) is not named, nor
-    are the layers in ``learnt`` (saturated by learning)."""
+    """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds, in one
+    finding named after the first in model order (they saturate for one cause: weights or inputs too large), held
+    while any is; and one of them that is the model's last layer and whose gradient sums to zero over each row
+    (:data:`ROWS_SUM_TO_ZERO`): a loss such as ``cross_entropy`` took its outputs for logits and applies a softmax
+    of its own, so a softmax's gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's
+    confidence; or whose gradient is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a
+    sigmoid of its own. A loss of a softmax's probabilities themselves (``nll_loss`` of their log, a
+    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning)."""
     found = []
     last = snap.executed[-1] if snap.executed else ""
     kind = snap.squashing.get(last, "")
@@ -717,13 +727,26 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
             f"`binary_cross_entropy`."
         )
         found.append(Evidence("saturation", (label(last),), snap.sigmoid_misfit[last], SIGMOID_FITS, said))
-    for name in snap.order:
-        share = snap.saturated.get(name, 0.0)
-        if share >= SATURATED and name != last and name not in learnt:
-            said = (
-                f"{share:.0%} of the outputs of `{label(name)}` are within 0.1 % of their bounds: saturated units "
-                f"pass almost no gradient back; normalise the inputs, use a smaller initialisation, or give "
-                f"`cross_entropy` / `binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."
-            )
-            found.append(Evidence("saturation", (label(name),), share, SATURATED, said))
+    if squashed := saturated_layers(snap, learnt):
+        first, rest = squashed[0], squashed[1:]
+        share = snap.saturated[first]
+        said = (
+            f"{share:.0%} of the outputs of `{label(first)}` are within 0.1 % of their bounds"
+            f"{f', and over half of those of {_listed(rest)}' if rest else ''}: saturated units pass almost no "
+            f"gradient back; normalise the inputs, use a smaller initialisation, or give `cross_entropy` / "
+            f"`binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."
+        )
+        layers = tuple(label(n) for n in squashed[:SHOWN_LAYERS])
+        found.append(Evidence("saturation", layers, share, SATURATED, said, group="saturated layers"))
     return found
+
+
+def saturated_layers(snap: Snapshot, learnt: frozenset[str] = frozenset()) -> list[str]:
+    """The sigmoid, tanh and softmax layers, in model order, with :data:`SATURATED` of their outputs at their bounds,
+    but the model's last layer (:func:`saturation` judges it by its gradient) and those in ``learnt``."""
+    last = snap.executed[-1] if snap.executed else ""
+    return [
+        name
+        for name in snap.order
+        if snap.saturated.get(name, 0.0) >= SATURATED and name != last and name not in learnt
+    ]

@@ -31,6 +31,7 @@ from lightning_hooks.diagnose.checks import (
     no_learning,
     nonfinite,
     rounded_away,
+    saturated_layers,
     saturation,
     silent_units,
     unoptimized,
@@ -121,7 +122,8 @@ class HealthTracker:
 
     Dead units, gradient spread, update ratio and activation growth become a finding once they
     have held on ``patience`` consecutive logging steps, dated to the first; evidence for a finding
-    already made (same check and layers) advances its ``last_step``, ``value`` and ``message``.
+    already made (same check and layers, or the same :attr:`Evidence.group`) advances its ``last_step``, ``value``,
+    ``message`` and ``layers``.
 
     Example::
 
@@ -187,9 +189,11 @@ class HealthTracker:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
             immediate += self._norm_growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
+        learnt = self._learnt(snap, learning)
+        squashed = saturated_layers(snap, learnt) if "saturation" in on else []  # update_ratio leaves what is behind
         if "update_ratio" in on and judged:
             persistent += rounded_away(snap, skip) or update_ratio(
-                snap, self.limits, skip, scheduled, converged, self._faded(snap)
+                snap, self.limits, skip, scheduled, converged, self._faded(snap), squashed
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)
@@ -200,7 +204,7 @@ class HealthTracker:
         if "loss_spike" in on:
             immediate += self._loss_spikes(snap, left_out)
         if "saturation" in on:
-            persistent += self._saturation(snap, learning)
+            persistent += saturation(snap, self.limits, learnt)
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits)
         if "no_learning" in on:
@@ -209,7 +213,7 @@ class HealthTracker:
         new: list[HealthFinding] = []
         held = set()
         for e in persistent:
-            key = (e.check, e.layers)
+            key = _key(e)
             held.add(key)
             start, length = self._streaks.get(key, (snap.step, 0))
             self._streaks[key] = (start, length + 1)
@@ -264,11 +268,13 @@ class HealthTracker:
         return scheduled
 
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
-        key = (e.check, e.layers)
-        self._touched.add(key)
+        key = _key(e)
+        self._touched.add((e.check, e.layers))
         index = self._index.get(key)
         if index is not None:
-            self.findings[index] = replace(self.findings[index], last_step=last, value=e.value, message=e.message)
+            self.findings[index] = replace(
+                self.findings[index], layers=e.layers, last_step=last, value=e.value, message=e.message
+            )
             return []
         finding = HealthFinding(e.check, e.layers, first, last, e.value, e.threshold, e.message)
         self._index[key] = len(self.findings)
@@ -370,13 +376,12 @@ class HealthTracker:
         converged = self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss
         return settling, learning, converged
 
-    def _saturation(self, snap: Snapshot, learning: bool) -> list[Evidence]:
-        """:func:`saturation`, but not of a layer that saturated while the loss fell (a sharp attention that solved its
-        task), unless it was saturated from the first logging step on (weights too large from the start)."""
+    def _learnt(self, snap: Snapshot, learning: bool) -> frozenset[str]:
+        """The layers that saturated while the loss fell (a sharp attention that solved its task), but not those
+        saturated from the first logging step on (weights too large from the start): :func:`saturation` leaves them."""
         if self._saturated_at_start is None and snap.saturated:
             self._saturated_at_start = frozenset(n for n, share in snap.saturated.items() if share >= SATURATED)
-        learnt = frozenset(snap.saturated) - (self._saturated_at_start or frozenset()) if learning else frozenset()
-        return saturation(snap, self.limits, learnt)
+        return frozenset(snap.saturated) - (self._saturated_at_start or frozenset()) if learning else frozenset()
 
     def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
@@ -487,6 +492,11 @@ class HealthTracker:
         )
         layers = tuple(label(n) for n in worst) or ("root",)
         return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
+
+
+def _key(e: Evidence) -> tuple[str, tuple[str, ...]]:
+    """The finding ``e`` makes or extends: its check's over its layers, or over its group's."""
+    return (e.check, e.layers if e.group is None else (e.group,))
 
 
 def _names(layers: Sequence[str]) -> str:

@@ -219,6 +219,34 @@ def test_sigmoid_units_driven_into_saturation_are_named(tmp_path: Path) -> None:
     assert "logits" in saturated[0].message
 
 
+def test_a_tanh_stack_saturated_from_the_start_is_one_finding_and_not_told_to_raise_the_learning_rate(
+    tmp_path: Path,
+) -> None:
+    # scikit-learn's digits through ten tanh layers whose weights are drawn with std 1 (eight times Xavier's): from step
+    # 0 most outputs of the tanh layers sit within 0.1 % of ±1. One cause, so one finding, named from the first
+    # saturated layer; under plain SGD the first layers then move by 1e-7 of their norm a step because the gradient
+    # dies in those units, not because the learning rate is low. Before: nine saturation findings, one per layer, and
+    # three update_ratio ones saying "raise the learning rate".
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(*[layer for _ in range(10) for layer in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
+    for layer in net[::2]:
+        nn.init.normal_(layer.weight, 0.0, 1.0)
+        nn.init.zeros_(layer.bias)
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+    model.configure_optimizers = lambda: torch.optim.SGD(net.parameters(), lr=0.01)  # type: ignore[method-assign]
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    found = fit(tmp_path, model, steps=60, every=10)
+    assert [(f.check, f.layers, f.step) for f in found] == [("saturation", ("net.3", "net.5", "net.7"), 0)]
+    assert "over half of those of `net.5`, `net.7`, `net.9` and 5 more" in found[0].message
+    with torch.no_grad():  # counted apart, on every digit: each layer named is saturated
+        outputs = [net[: i + 1](x) for i in (3, 5, 7, 9)]
+    assert all(float((h.abs() > 0.999).float().mean()) > 0.5 for h in outputs)
+
+
 class Amplified(Fit):
     """Its output's gradient multiplied by 1.13 more at each step (a scaling gone wrong): the gradient norm grows
     x1,500 over 60 steps, steadily, and never overflows; Adam keeps learning as if nothing happened."""
