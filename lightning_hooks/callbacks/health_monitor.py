@@ -176,6 +176,8 @@ class HealthMonitor(StatsCallback):
         )
         self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._gradless: bool | None = None
+        self._backward_now = False  # a backward ran in the logging step
+        self._backwards = 0  # backward passes since the previous logging step
         self._squashing: dict[str, str] = {}
         self._channelwise: frozenset[str] = frozenset()
         self._normalizers: frozenset[str] = frozenset()
@@ -282,6 +284,7 @@ class HealthMonitor(StatsCallback):
         self._read, self._grad_names, self._missing = set(), [], {}
         self._units.start()
         self._gradless = None  # no optimizer stepped yet in this logging step
+        self._backward_now = False
         self._lrs, self._eps = {}, {}
         self._overflow = []
         self._carry, self._carried = [], {}
@@ -315,6 +318,8 @@ class HealthMonitor(StatsCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._backwards += 1
+        self._backward_now |= self._batch.open
         if self._ring is not None:
             self._ring.loss(self._step_now(), loss)
         if "saturation" in self.checks and self._batch.open:
@@ -399,6 +404,7 @@ class HealthMonitor(StatsCallback):
         fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}, per_unit))
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._carry, self._missing = [], {}  # the zero_grad hooks' sign copies are not kept to the next logging step
+        self._backwards = 0
         self._checked_until = step
         new = self._tracker.update(snap)
         if self._ring is not None:
@@ -547,6 +553,9 @@ class HealthMonitor(StatsCallback):
             eps=self._eps,
             embeddings=self._embeddings,
             gradless=bool(self._gradless),
+            backward=self._backward_now,
+            backwards=self._backwards,
+            automatic=trainer.lightning_module.automatic_optimization,
             skipped_at_scale=scale if overflow > 0 else None,
             pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
             channelwise=self._channelwise,

@@ -16,6 +16,7 @@ __all__ = [
     "CONVERGED",
     "Evidence",
     "input_scale",
+    "no_backward",
     "no_learning",
     "saturation",
     "saturated_layers",
@@ -104,6 +105,9 @@ class Snapshot:
     eps: dict[str, float] = field(default_factory=dict)  # per layer, its adaptive optimizer's eps (where it has one)
     embeddings: frozenset[str] = frozenset()  # embedding tables (a batch reaches a few of their rows)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
+    backward: bool = True  # a backward ran in the logging step (``training_step`` returned a loss)
+    backwards: int = 1  # backward passes since the previous logging step, its own included
+    automatic: bool = True  # Lightning's automatic optimization (else the user calls backward and step)
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
     channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)
@@ -685,6 +689,23 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         f"`.item()`, `torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
     )
     return [Evidence("no_learning", layers, 0.0, 0.0, said)]
+
+
+def no_backward(snap: Snapshot, since: int) -> Evidence:
+    """No backward pass and no gradient at any step from ``since`` to the logging step: the optimizer steps with no
+    gradient, and nothing learns. Named after the output layer, like :func:`no_learning`."""
+    if snap.automatic:
+        fix = (
+            "`training_step` returned `None`, and Lightning skips the backward of such a step (the way to skip a "
+            'batch on purpose); return the loss, or a dict with a `"loss"` key'
+        )
+    else:
+        fix = "under manual optimization, call `self.manual_backward(loss)` before `optimizer.step()`"
+    said = (
+        f"no backward pass ran at any step from step {since} to step {snap.step}, so no parameter gets a gradient and "
+        f"nothing learns: {fix}."
+    )
+    return Evidence("no_learning", tuple(label(n) for n in snap.executed[-1:]) or ("root",), 0.0, 0.0, said, since)
 
 
 def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:

@@ -28,6 +28,7 @@ from lightning_hooks.diagnose.checks import (
     giant_steps,
     gradient_spread,
     input_scale,
+    no_backward,
     no_learning,
     nonfinite,
     rounded_away,
@@ -153,6 +154,7 @@ class HealthTracker:
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
+        self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
@@ -175,10 +177,12 @@ class HealthTracker:
         left_out = snap.unoptimized | self._carried
         scheduled = self._scheduled(snap)
         settling, learning, converged = self._settle(snap)
-        stalled = no_learning(snap, self.limits)  # then no layer learns less than another
+        # no backward and no gradient in the logging step: `training_step` returned None, skipping its batch
+        skipped = snap.gradless and not snap.backward
+        stalled = [] if skipped else no_learning(snap, self.limits)  # then no layer learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
-        # nothing to learn from: how the layers learn is not seen
-        unseen = LEARNING if snap.skipped_at_scale is not None or zero_loss(snap) else frozenset()
+        # nothing to learn from, one skipped no gradient: how the layers learn is not seen
+        unseen = LEARNING if skipped or snap.skipped_at_scale is not None or zero_loss(snap) else frozenset()
         judged = not stalled and not unseen
         if "dead_units" in on:
             immediate += self._dead_units(snap)
@@ -208,7 +212,7 @@ class HealthTracker:
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits)
         if "no_learning" in on:
-            immediate += stalled or self._cut_off(snap)
+            immediate += stalled or self._no_backward(snap) or ([] if skipped else self._cut_off(snap))
         self._touched = set()
         new: list[HealthFinding] = []
         held = set()
@@ -233,6 +237,16 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
+
+    def _no_backward(self, snap: Snapshot) -> list[Evidence]:
+        """:func:`no_backward` once no backward pass and no gradient were seen for :data:`SETTLED` steps and two logging
+        steps or more in a row (a batch skipped on purpose now and then is not named)."""
+        if snap.backwards or not snap.gradless:
+            self._backwardless = None
+            return []
+        since = snap.step if self._backwardless is None else self._backwardless
+        self._backwardless = since
+        return [no_backward(snap, since)] if snap.step - since >= SETTLED else []
 
     def _cut_off(self, snap: Snapshot) -> list[Evidence]:
         """The leaves that ran but got no gradient at this logging step and the one before, their weights unchanged in

@@ -1260,3 +1260,49 @@ def test_a_layer_frozen_during_a_manual_fit_is_not_hooked(tmp_path: Path) -> Non
     y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     assert fit(tmp_path, FreezesFirst(net, x, y, lambda net, x, y: F.cross_entropy(net(x), y)), 40, every=10) == []
+
+
+class Skipping(Fit):
+    """``Fit`` whose ``training_step`` returns ``None`` (Lightning then skips the backward) on every ``skip``-th batch,
+    or whose manual optimization never calls ``manual_backward``."""
+
+    def __init__(self, *args: Any, skip: int, manual: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip, self.automatic_optimization = skip, not manual
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = self.loss(self.net, *batch)
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            assert isinstance(optimizer, pl.core.optimizer.LightningOptimizer)
+            optimizer.step()  # the backward forgotten
+            optimizer.zero_grad()
+        return None if batch_idx % self.skip == 0 else loss
+
+
+@pytest.mark.parametrize(
+    ("skip", "manual", "said"),
+    [
+        (5, False, None),
+        (1, False, "`training_step` returned `None`, and Lightning skips the backward"),
+        (1, True, "call `self.manual_backward(loss)` before `optimizer.step()`"),
+    ],
+    ids=["a batch skipped on purpose at each logging step", "the loss never returned", "no manual_backward"],
+)
+def test_steps_without_a_backward_are_named_only_when_no_step_has_one(
+    tmp_path: Path, skip: int, manual: bool, said: str | None
+) -> None:
+    # Returning `None` from `training_step` is Lightning's way to skip a batch: the optimizer then steps with no
+    # gradient. When the skipped batch was a logging step's, the monitor said "every parameter gradient is exactly
+    # zero or missing ... look for a detached tensor"; when no step returns the loss, it said the same, not the cause.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 8)
+    y = (x @ seeded(8, 3)).argmax(1)
+    net = mlp(nn.ReLU(), nn.Linear(16, 3))
+    model = Skipping(net, x, y, lambda net, x, y: F.cross_entropy(net(x), y), skip=skip, manual=manual)
+    found = fit(tmp_path, model, steps=30)
+    if said is None:
+        assert found == []
+    else:
+        assert [(f.check, f.layers, f.step) for f in found] == [("no_learning", ("net.4",), 0)]
+        assert said in found[0].message
