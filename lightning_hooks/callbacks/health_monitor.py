@@ -556,6 +556,7 @@ class HealthMonitor(StatsCallback):
             backward=self._backward_now,
             backwards=self._backwards,
             automatic=trainer.lightning_module.automatic_optimization,
+            clip=_clipping(trainer),
             skipped_at_scale=scale if overflow > 0 else None,
             pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
             channelwise=self._channelwise,
@@ -723,3 +724,12 @@ def _total_steps(trainer: pl.Trainer) -> float:
     except MisconfigurationException:  # an accumulation that changes with the epoch
         return math.inf
     return total if total > 0 else math.inf
+
+
+def _clipping(trainer: pl.Trainer) -> tuple[str, float] | None:
+    """Lightning's gradient clipping under automatic optimization: its algorithm (``norm`` by default) and value."""
+    value = trainer.gradient_clip_val
+    if not value or not trainer.lightning_module.automatic_optimization:
+        return None
+    algorithm = trainer.gradient_clip_algorithm
+    return (algorithm.value if algorithm is not None else "norm"), float(value)

@@ -25,6 +25,7 @@ __all__ = [
     "Snapshot",
     "Thresholds",
     "carried",
+    "clipped_away",
     "copied_units",
     "cut_off",
     "rounded_away",
@@ -108,6 +109,7 @@ class Snapshot:
     backward: bool = True  # a backward ran in the logging step (``training_step`` returned a loss)
     backwards: int = 1  # backward passes since the previous logging step, its own included
     automatic: bool = True  # Lightning's automatic optimization (else the user calls backward and step)
+    clip: tuple[str, float] | None = None  # Lightning's gradient clipping: its algorithm (norm, value) and value
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
     channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)
@@ -482,6 +484,65 @@ def rounded_away(snap: Snapshot, skip: frozenset[str] = frozenset()) -> list[Evi
         f"optimizer that makes up for the rounding (Kahan summation, stochastic rounding)."
     )
     return [Evidence("update_ratio", tuple(label(name) for name in list(judged)[:SHOWN_LAYERS]), share, ROUNDED, said)]
+
+
+CLIPPED = 100.0
+"""Gradient clipping that scales every step down this many times or more is judged (see :func:`clipped_away`)."""
+SMALL_STEP = 1e-4
+"""A step that changes the median layer's weights by less than this share of their norm is small (healthy: 1e-3)."""
+
+
+def clipped_away(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[Evidence]:
+    """Lightning's gradient clipping (``gradient_clip_val``) shrinking every SGD step :data:`CLIPPED`-fold or more.
+    The gradient the monitor reads is the one before clipping: by norm, it is scaled by ``gradient_clip_val`` over its
+    total norm; by value, its norm after clipping is at most the value times the square root of its size.
+
+    When one layer's gradient is ``gradient_spread`` times the rest's together and other layers' steps are below
+    :data:`SMALL_STEP` of their weights, that layer's gradient explodes (an RNN's) and clipping hides it: scaled down
+    to its size, the other layers' steps round to nothing (``exploding_gradients``). Otherwise, with the median layer's
+    steps below :data:`SMALL_STEP`, clipping meant for the rare outlier acts as a learning rate a hundred times lower
+    (``update_ratio``). Not under an adaptive optimizer, whose steps do not follow the gradient's size."""
+    if snap.clip is None:
+        return []
+    algorithm, value = snap.clip
+    norms = {name: math.sqrt(s.sum_sq) for name, s in snap.grads.items() if s.numel}
+    judged = [n for n in snap.order if n in snap.ratios and n not in snap.adaptive and n not in skip]
+    if not norms or not judged or value <= 0:
+        return []
+    total = math.sqrt(math.fsum(v * v for v in norms.values()))
+    left = value if algorithm == "norm" else value * math.sqrt(sum(s.numel for s in snap.grads.values()))
+    factor = total / left
+    if not factor >= CLIPPED:  # NaN compares false
+        return []
+    clipping = f"gradient clipping (`gradient_clip_val={value:g}`, by {algorithm})"
+    top = max(norms, key=norms.__getitem__)
+    rest = math.sqrt(math.fsum(v * v for name, v in norms.items() if name != top))
+    starved = [n for n in judged if n != top and snap.ratios[n] < SMALL_STEP]
+    if top in judged and starved and norms[top] >= limits.gradient_spread * rest:
+        ratio = norms[top] / max(rest, 1e-30)
+        said = (
+            f"the gradient of `{label(top)}` has a norm of {norms[top]:.2g} before clipping, {ratio:.1e} times the "
+            f"other layers' together: it explodes, and {clipping} hides it, scaling every step down {factor:.2g}-fold, "
+            f"so the steps of {_listed(starved)} come to nothing. Fix the explosion: start from smaller weights "
+            f"(recurrent weights above 1 make an RNN's gradient grow with the sequence), or lower the learning rate."
+        )
+        return [Evidence("exploding_gradients", (label(top),), ratio, limits.gradient_spread, said)]
+    step = statistics.median(snap.ratios[n] for n in judged)
+    if not step < SMALL_STEP:
+        return []
+    if algorithm == "norm":
+        how = f"scales every gradient down about {factor:.0f}-fold (their norm before clipping is {total:.2g})"
+    else:
+        how = (
+            f"clips every gradient value to ±{value:g}, shrinking the gradient at least {factor:.0f}-fold (its norm "
+            f"before clipping is {total:.2g})"
+        )
+    said = (
+        f"each optimizer step changes the weights of {_listed(judged)} by only {step:.1e} of their norm (healthy: "
+        f"about 1e-3 to 1e-2): {clipping} {how}, as a learning rate that much lower would. Clipping is meant for the "
+        f"rare outlier: set `gradient_clip_val` near the gradient norms you see (`GradStats` logs them), or remove it."
+    )
+    return [Evidence("update_ratio", tuple(label(n) for n in judged[:SHOWN_LAYERS]), factor, CLIPPED, said)]
 
 
 def unoptimized(snap: Snapshot, limits: Thresholds) -> list[Evidence]:

@@ -22,6 +22,7 @@ from lightning_hooks.diagnose.checks import (
     Snapshot,
     Thresholds,
     carried,
+    clipped_away,
     copied_units,
     cut_off,
     dead_units,
@@ -196,8 +197,11 @@ class HealthTracker:
         learnt = self._learnt(snap, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []  # update_ratio leaves what is behind
         if "update_ratio" in on and judged:
-            persistent += rounded_away(snap, skip) or update_ratio(
-                snap, self.limits, skip, scheduled, converged, self._faded(snap), squashed
+            clipped = [e for e in clipped_away(snap, self.limits, skip) if e.check in on]
+            persistent += (
+                rounded_away(snap, skip)
+                or clipped
+                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), squashed)
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)

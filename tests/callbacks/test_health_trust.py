@@ -563,6 +563,24 @@ def test_an_rnn_whose_gradient_explodes_in_its_first_step_is_named_at_once(
     assert [(f.check, f.layers, f.step) for f in found][:1] == expected
 
 
+@pytest.mark.parametrize(("scale", "expected"), [(6.0, [("exploding_gradients", ("rnn",), 0)]), (1.0, [])])
+def test_an_exploding_rnn_that_gradient_clipping_hides_is_named_not_told_to_raise_the_learning_rate(
+    tmp_path: Path, scale: float, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # The same RNN with `gradient_clip_val=1.0`: its gradient norm is 1e8 to 1e9 before clipping at every step, so
+    # clipping scales every step that much, the RNN's own stays about 1e-3 of its weights, and the head's comes to
+    # nothing (its weights never change: counted below) while the loss stays at chance. Before, the head was told to
+    # raise its learning rate.
+    pl.seed_everything(0, verbose=False)
+    model = Recurrent(scale)
+    head = model.head.weight.detach().clone()
+    found = fit(tmp_path, model, steps=30, every=10, gradient_clip_val=1.0)
+    assert [(f.check, f.layers, f.step) for f in found] == expected
+    assert torch.equal(model.head.weight, head) == bool(expected)
+    if expected:
+        assert "`gradient_clip_val=1`, by norm) hides it" in found[0].message
+
+
 class Attention(nn.Module):
     """Self-attention whose weights come from an ``nn.Softmax`` module, as vit-pytorch writes it."""
 
@@ -1306,3 +1324,33 @@ def test_steps_without_a_backward_are_named_only_when_no_step_has_one(
     else:
         assert [(f.check, f.layers, f.step) for f in found] == [("no_learning", ("net.4",), 0)]
         assert said in found[0].message
+
+
+@pytest.mark.parametrize(
+    ("clip", "algorithm", "named"), [(1e-4, "norm", True), (1e-5, "value", True), (1.0, "norm", False)]
+)
+def test_gradient_clipping_that_shrinks_every_sgd_step_is_named(
+    tmp_path: Path, clip: float, algorithm: str, named: bool
+) -> None:
+    # Plain SGD at 0.1 on scikit-learn's digits, the gradient's norm about 0.3 before clipping: `gradient_clip_val=1e-4`
+    # scales every step down some 3,000-fold, and the loss does not move in 400 steps (2.32 -> 2.33). Nothing was
+    # said: each layer's update ratio, 1.5e-6, lies just above the range's 1e-6. Clipping at 1.0 clips nothing here.
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    F.cross_entropy(net(x[:32]), y[:32]).backward()  # counted apart: the norm clipping acts on
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters() if p.grad is not None]))
+    net.zero_grad(set_to_none=True)
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+    model.configure_optimizers = lambda: torch.optim.SGD(net.parameters(), lr=0.1)  # type: ignore[method-assign]
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    found = fit(tmp_path, model, steps=30, gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    assert [(f.check, f.layers, f.step) for f in found] == ([("update_ratio", ("net.0", "net.2"), 0)] if named else [])
+    if named:
+        assert f"`gradient_clip_val={clip:g}`, by {algorithm}" in found[0].message
+        assert found[0].value >= 100
+        if algorithm == "norm":  # the factor is the norm before clipping over the clip
+            assert found[0].value == pytest.approx(norm / clip, rel=0.5)
