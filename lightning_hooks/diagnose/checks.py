@@ -415,10 +415,23 @@ def update_ratio(
             continue
         elif below and name not in scheduled and not converged and position[name] > squashed:
             threshold = limits.update_ratio_low
-            said = (
-                f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "
-                f"learning rate, or look for a vanishing gradient."
-            )
+            if slower:
+                said = (
+                    f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): its parameter group's learning "
+                    f"rate, {lrs[name]:.0e}, is a tenth or less of its peers' ({lr_peers[name]:.0e}); raise it."
+                )
+            elif name in snap.adaptive or name in snap.embeddings:
+                said = (
+                    f"by only {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): it barely learns; raise the "
+                    f"learning rate, or look for a vanishing gradient."
+                )
+            else:  # under SGD, alone: the step is its gradient times the learning rate its peers move well with
+                said = (
+                    f"by only {ratio:.1e} of their norm while the median layer's change by {overall:.1e} (healthy: "
+                    f"about 1e-3 to 1e-2): under SGD a step is the gradient times the learning rate, so this is a "
+                    f"vanishing gradient, lost on the way to it; try residual connections, normalization layers, "
+                    f"ReLU/GELU instead of sigmoid or tanh, or a better initialisation."
+                )
         else:
             continue
         said = f"each optimizer step changes the weights of `{label(name)}` {said}"
