@@ -155,6 +155,7 @@ class HealthTracker:
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
+        self._clip: tuple[str, float] | None = None  # the Trainer's gradient clipping (see Snapshot.clip)
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
@@ -174,6 +175,7 @@ class HealthTracker:
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
         self._carried |= frozenset(snap.carried)
+        self._clip = snap.clip
         skip = frozenset(self._zero_start) | self._carried  # the gradient of a `.grad` never zeroed: a running sum
         left_out = snap.unoptimized | self._carried
         scheduled = self._scheduled(snap)
@@ -372,10 +374,15 @@ class HealthTracker:
         (first_step, before), (last_step, after) = run[0], run[-1]
         self._logged_norms.clear()  # the next finding needs a new run of rising norms
         grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
+        fix = (
+            f"gradient clipping (`gradient_clip_val={self._clip[1]:g}`) bounds each step, not this growth: try a lower "
+            f"learning rate, or a smaller initialisation."
+            if self._clip is not None
+            else "try gradient clipping (`gradient_clip_val`), a lower learning rate, or a smaller initialisation."
+        )
         said = (
             f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
-            f"at step {last_step}), most in {_names(grew)}; try gradient clipping (`gradient_clip_val`), a lower "
-            f"learning rate, or a smaller initialisation."
+            f"at step {last_step}), most in {_names(grew)}; {fix}"
         )
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]

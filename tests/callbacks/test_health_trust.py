@@ -261,13 +261,17 @@ class Amplified(Fit):
         return F.cross_entropy(out, y)
 
 
-def test_a_gradient_norm_climbing_steadily_without_overflow_is_exploding(tmp_path: Path) -> None:
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_gradient_norm_climbing_steadily_without_overflow_is_exploding(tmp_path: Path, clip: float | None) -> None:
+    # With clipping on, clipping was still the first fix given; it bounds each step, not the growth.
     pl.seed_everything(0, verbose=False)
     x = seeded(2048, 8)
     model = Amplified(mlp(nn.ReLU(), nn.Linear(16, 3)), x, (x @ seeded(8, 3)).argmax(1), F.cross_entropy)
-    findings = fit(tmp_path, model, steps=61, every=10)
+    findings = fit(tmp_path, model, steps=61, every=10, gradient_clip_val=clip)
     assert [f.check for f in findings] == ["exploding_gradients"]
     assert findings[0].value >= 100
+    advice = "bounds each step, not this growth" if clip else "try gradient clipping (`gradient_clip_val`)"
+    assert advice in findings[0].message
 
 
 def test_a_dead_output_relu_is_named_before_a_hidden_relu_with_silent_units(tmp_path: Path) -> None:
