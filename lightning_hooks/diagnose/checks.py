@@ -220,11 +220,17 @@ def copied_units(snap: Snapshot) -> list[Evidence]:
     values each) all had the same non-zero sum of squares, and the layers after it of which that holds too: every
     unit computes the same function of the input, so each gets the same gradient and they stay copies; the layer
     learns as one unit. Only weights that are the same for every unit make that (one constant for every weight,
-    ``nn.init.constant_``): a layer of random weights breaks it."""
+    ``nn.init.constant_``): a layer of random weights breaks it.
+
+    Not judged: a normalization, whose units have the same second moment by construction (a batch or instance norm
+    without affine weights), nor a layer that passes on a normalization's output unchanged (an ``nn.Identity``)."""
     copied = []
+    before = dict(zip(snap.executed[1:], snap.executed, strict=False))  # the leaf that ran just before each
     for name in snap.order:
         sums, act = snap.units.get(name), snap.activations.get(name)
         if not sums or len(sums) < MIN_COPIES or act is None or act.numel / len(sums) < MIN_SAMPLES:
+            continue
+        if name in snap.normalizers or (before.get(name) in snap.normalizers and snap.units.get(before[name]) == sums):
             continue
         low, high = min(sums), max(sums)
         if low > 0 and math.isfinite(high) and high - low <= COPIES * high:

@@ -952,6 +952,27 @@ def test_units_made_copies_of_one_another_by_a_constant_initialisation_are_named
     assert not fit(tmp_path / "drawn", build(constant=False), steps=30)  # PyTorch's own initialisation
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.InstanceNorm2d(8), nn.ReLU(), nn.Flatten()),
+        lambda: nn.Sequential(nn.Flatten(), nn.Linear(768, 64), nn.BatchNorm1d(64, affine=False), nn.Identity()),
+    ],
+    ids=["instance norm", "batch norm without affine weights, passed on"],
+)
+def test_a_normalization_whose_units_share_their_second_moment_is_not_copies(
+    tmp_path: Path, build: Callable[[], nn.Sequential]
+) -> None:
+    # A norm without affine weights gives every unit the same sum of squares by construction (to 1e-6 for an instance
+    # norm of Gaussian images): the first version of the copies check named both.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 3, 16, 16)
+    net = nn.Sequential(build(), nn.LazyLinear(2))
+    net(x[:2])  # the lazy head takes its width
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    assert fit(tmp_path, Fit(net, x * 10, y, lambda net, x, y: F.cross_entropy(net(x), y), sgd=True), steps=30) == []
+
+
 class Decayed(Fit):
     """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
 
