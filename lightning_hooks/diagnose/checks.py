@@ -223,7 +223,8 @@ def copied_units(snap: Snapshot) -> list[Evidence]:
     ``nn.init.constant_``): a layer of random weights breaks it.
 
     Not judged: a normalization, whose units have the same second moment by construction (a batch or instance norm
-    without affine weights), nor a layer that passes on a normalization's output unchanged (an ``nn.Identity``)."""
+    without affine weights), a layer that passes on a normalization's output unchanged (an ``nn.Identity``), nor a
+    saturated sigmoid or tanh (every output at 1 has the same square)."""
     copied = []
     before = dict(zip(snap.executed[1:], snap.executed, strict=False))  # the leaf that ran just before each
     for name in snap.order:
@@ -231,6 +232,8 @@ def copied_units(snap: Snapshot) -> list[Evidence]:
         if not sums or len(sums) < MIN_COPIES or act is None or act.numel / len(sums) < MIN_SAMPLES:
             continue
         if name in snap.normalizers or (before.get(name) in snap.normalizers and snap.units.get(before[name]) == sums):
+            continue
+        if snap.saturated.get(name, 0.0) >= SATURATED:  # every output at its bound: `saturation` names it
             continue
         low, high = min(sums), max(sums)
         if low > 0 and math.isfinite(high) and high - low <= COPIES * high:

@@ -973,6 +973,17 @@ def test_a_normalization_whose_units_share_their_second_moment_is_not_copies(
     assert fit(tmp_path, Fit(net, x * 10, y, lambda net, x, y: F.cross_entropy(net(x), y), sgd=True), steps=30) == []
 
 
+def test_a_saturated_sigmoid_whose_outputs_are_all_one_is_saturation_not_copies(tmp_path: Path) -> None:
+    # A bias of 100 before a sigmoid: every output is exactly 1.0, so every unit has the same sum of squares.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(512, 8)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[0].bias.fill_(100.0)
+    model = Fit(net, x, (x @ seeded(8, 3)).argmax(1), lambda net, x, y: F.cross_entropy(net(x), y))
+    assert [(f.check, f.layers) for f in fit(tmp_path, model, steps=30)] == [("saturation", ("net.1",))]
+
+
 class Decayed(Fit):
     """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
 
