@@ -155,7 +155,6 @@ class HealthTracker:
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
-        self._clip: tuple[str, float] | None = None  # the Trainer's gradient clipping (see Snapshot.clip)
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
@@ -175,7 +174,6 @@ class HealthTracker:
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
         self._carried |= frozenset(snap.carried)
-        self._clip = snap.clip
         skip = frozenset(self._zero_start) | self._carried  # the gradient of a `.grad` never zeroed: a running sum
         left_out = snap.unoptimized | self._carried
         scheduled = self._scheduled(snap)
@@ -344,17 +342,23 @@ class HealthTracker:
                 continue
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
-            found += self._grew(run, "steps in a row, then overflowed", overflowed=True)
+            found += self._grew(run, "steps in a row, then overflowed", snap.clip, overflowed=True)
         if steps:
             level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
         else:
             level = _per_layer_of(snap, left_out)
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
-            found += self._grew(list(self._logged_norms), "logging steps in a row")
+            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip)
         return found[:1]
 
-    def _grew(self, run: list[tuple[int, dict[str, float]]], how: str, overflowed: bool = False) -> list[Evidence]:
+    def _grew(
+        self,
+        run: list[tuple[int, dict[str, float]]],
+        how: str,
+        clip: tuple[str, float] | None,
+        overflowed: bool = False,
+    ) -> list[Evidence]:
         """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
         if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
         median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth."""
@@ -375,9 +379,9 @@ class HealthTracker:
         self._logged_norms.clear()  # the next finding needs a new run of rising norms
         grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
         fix = (
-            f"gradient clipping (`gradient_clip_val={self._clip[1]:g}`) bounds each step, not this growth: try a lower "
+            f"gradient clipping (`gradient_clip_val={clip[1]:g}`) bounds each step, not this growth: try a lower "
             f"learning rate, or a smaller initialisation."
-            if self._clip is not None
+            if clip is not None
             else "try gradient clipping (`gradient_clip_val`), a lower learning rate, or a smaller initialisation."
         )
         said = (

@@ -146,12 +146,12 @@ class GradClamper:
         process counts, if given) while :attr:`count` is active."""
         value, count = self.value, self.count
         strided = torch.strided  # a singleton: `is` keeps this every-step loop cheap
-        sparse = [grad for grad in grads if grad.layout is not strided or grad.is_complex()]
-        dense = grads
-        if sparse:  # a complex gradient is clamped in place through a real view: real and imaginary parts each
+        unusual = [grad for grad in grads if grad.layout is not strided or grad.is_complex()]
+        dense, sparse = grads, unusual
+        if unusual:  # a complex gradient is clamped in place through a real view: real and imaginary parts each
             dense = [real_view(grad) for grad in grads if grad.layout is strided]
             counted = None if counted is None else [real_view(grad) for grad in counted]
-            sparse = [grad for grad in sparse if grad.layout is not strided]
+            sparse = [grad for grad in unusual if grad.layout is not strided]
         with torch.no_grad():
             if count.active:
                 seen = dense if counted is None else [grad for grad in counted if grad.layout is strided]
