@@ -18,7 +18,7 @@ from lightning_hooks.callbacks.dashboard import FIGURE_PERIOD_FACTOR, Dashboard
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.compiled import Pending, Region, Regions
 from lightning_hooks.core.gate import StepGate
-from lightning_hooks.core.handles import HookHandles
+from lightning_hooks.core.handles import HookHandles, Observer
 from lightning_hooks.core.select import ModuleSelector, label
 from lightning_hooks.sinks.sink import Sink
 from lightning_hooks.stats.batch import Across, Fetched, StatBatch
@@ -138,16 +138,22 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
     if not silent:
         return
     shown = ", ".join(label(n) for n in silent[:8]) + (f", ... ({len(silent) - 8} more)" if len(silent) > 8 else "")
-    compile_hint = ""
+    hints = ""
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in trainer.lightning_module.modules()):
-        compile_hint = (
+        hints = (
             "This model contains modules compiled in place (`module.compile()`), whose compiled code lightning_hooks "
             "cannot hook into: compile with `self.layer = torch.compile(layer)` or `trainer.fit(torch.compile(model))` "
             "instead, whose regions are observed. "
         )
+    transformed = sum(recorded.selected[name] in Observer.transformed for name in silent)
+    if transformed:
+        hints += (
+            f"{transformed} of them ran inside a `torch.func` transform (`vmap`, `grad`: per-sample gradients), "
+            "whose tensors hooks cannot read; a forward outside the transform is recorded. "
+        )
     rank_zero_warn(
         f"lightning_hooks ({', '.join(recorded.owners)}): {len(silent)} selected module(s) never ran in any training "
-        f"step they recorded in this fit, so there is nothing to show for them: {shown}. {compile_hint}Other causes: "
+        f"step they recorded in this fit, so there is nothing to show for them: {shown}. {hints}Other causes: "
         f"a module unused in `forward`, or one that runs on some steps only (an expert no token was routed to on the "
         f"recorded steps). Leave them out with `exclude=[...]` or `types=[...]` to silence this."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_gradient", "graph_task_id", "in_backward", "loss_scale"]
+__all__ = ["dense_gradient", "graph_task_id", "in_backward", "in_transform", "loss_scale"]
 
 
 graph_task_id = torch._C._current_graph_task_id
@@ -15,6 +15,12 @@ def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (activation checkpointing re-running
     ``forward``); ``False`` while dynamo traces."""
     return not torch.compiler.is_compiling() and graph_task_id() != -1
+
+
+def in_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``...) is running: its tensors are wrappers
+    without storage, whose values a hook cannot read (per-sample gradients, as in DP-SGD)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -10,6 +11,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_hooks.core.autograd import in_transform
 
 __all__ = ["HookHandles", "Observer", "made_once", "observers_asleep"]
 
@@ -75,7 +78,7 @@ class HookHandles:
 
 class Observer:
     """A module hook that only watches: calls ``hook`` with the same arguments, except inside
-    :func:`observers_asleep`, where it does nothing and returns ``None``.
+    :func:`observers_asleep` or a ``torch.func`` transform, where it does nothing and returns ``None``.
 
     An error of ``hook`` costs what it records, not the step: the call returns ``None`` and the error is warned
     about once per kind of hook, module and error.
@@ -87,11 +90,17 @@ class Observer:
     failed: set[tuple[str, str, str]] = set()
     """The kinds of hook, module and error already warned about in this process."""
 
+    transformed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    """The modules whose calls were passed over because they ran inside a ``torch.func`` transform."""
+
     def __init__(self, hook: Callable[..., Any]) -> None:
         self.hook = hook
 
     def __call__(self, *args: Any) -> Any:
         if Observer.asleep:
+            return None
+        if in_transform():
+            Observer.transformed.add(args[0])
             return None
         try:
             return self.hook(*args)

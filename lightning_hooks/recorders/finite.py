@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hooks.core.autograd import in_backward
+from lightning_hooks.core.autograd import in_backward, in_transform
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
@@ -257,7 +257,7 @@ class _Enter:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():  # activation checkpointing re-running forward
+        if not recorder.active or in_backward() or in_transform():  # checkpointing re-running forward; vmap
             return
         index = len(recorder.calls)
         recorder.calls.append(_Call(self.name, self.type_name, recorder.batch_idx))
@@ -273,7 +273,7 @@ class _Exit:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder = self.recorder
-        if not recorder.active or in_backward():
+        if not recorder.active or in_backward() or in_transform():
             return
         if not (open_calls := recorder._open.get(self.name)):
             return

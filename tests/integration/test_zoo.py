@@ -6,14 +6,24 @@ import copy
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from lightning_hooks import ActivationStats, GradClamp, GradStats, ShapeLogger, trace_shapes
+from lightning_hooks import (
+    ActivationStats,
+    GradClamp,
+    GradStats,
+    HealthMonitor,
+    NonFiniteGuard,
+    ShapeLogger,
+    trace_shapes,
+)
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label
 from lightning_hooks.recorders.shapes import format_markdown
@@ -247,3 +257,56 @@ def test_the_projection_multihead_attention_uses_by_its_weights_is_not_called_si
     # `nn.MultiheadAttention.forward` hands `out_proj.weight` to the attention function and never calls `out_proj`.
     messages = fit(model_class(), tmp_path)
     assert not [m for m in messages if "never ran" in m], messages  # before: each `out_proj`, from two callbacks
+
+
+class PerSample(ZooModule):
+    """DP-SGD's loop: per-sample gradients from ``torch.func`` (``vmap`` of ``grad``), clipped and written to
+    ``.grad`` by hand, no backward pass; with ``outside``, the loss logged is computed by a plain forward."""
+
+    def __init__(self, outside: bool) -> None:
+        super().__init__()
+        self.automatic_optimization, self.outside = False, outside
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        params = {name: p.detach() for name, p in self.net.named_parameters()}
+
+        def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(torch.func.functional_call(self.net, params, (x[None],)), y[None])
+
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        for name, p in self.net.named_parameters():
+            p.grad = grads[name].clamp(-1, 1).mean(0)
+        if self.outside:
+            with torch.no_grad():
+                self.log("loss", F.cross_entropy(self.net(x), y))
+        self.optimizers().step()
+
+
+@pytest.mark.parametrize("outside", [True, False], ids=["with-outside-forward", "vmap-only"])
+def test_per_sample_gradients_under_vmap_cost_no_step(tmp_path: Path, outside: bool) -> None:
+    model = PerSample(outside)
+    initial = copy.deepcopy(model)
+    callbacks = [*every_callback(), NonFiniteGuard(), HealthMonitor(log_every_n_steps=1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Before: NonFiniteGuard's hooks raised inside vmap ("Batching rule not implemented"), the fit died.
+        make_trainer(tmp_path, callbacks, max_steps=2, log_every_n_steps=1).fit(model)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "could not record" in m], messages
+    assert not any(p.equal(q) for p, q in zip(model.parameters(), initial.parameters(), strict=True))
+    # The gradients written by hand are read: per-sample gradients by plain autograd, one sample at a time.
+    x, y = initial.x[:8], initial.y[:8]
+    weight = initial.net[0].weight
+    each = [torch.autograd.grad(F.cross_entropy(initial.net(x[i : i + 1]), y[i : i + 1]), weight)[0] for i in range(8)]
+    expected = torch.stack(each).clamp(-1, 1).mean(0).double().norm()
+    assert scalars(tmp_path, "grad_norm/net.0.weight")[0] == pytest.approx(float(expected), rel=1e-5)
+    never = [m for m in messages if "never ran" in m]
+    if outside:  # the plain forward is recorded, the vmapped one is not
+        assert not never, never
+        out = initial.net[0](initial.x[:8]).detach().double()
+        assert scalars(tmp_path, "act_mean/net.0")[0] == pytest.approx(float(out.mean()), rel=1e-5)
+    else:
+        assert len(never) == 1, never
+        assert "ran inside a `torch.func` transform" in never[0]
