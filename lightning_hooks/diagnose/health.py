@@ -82,6 +82,8 @@ step :data:`SETTLED` on): batches of one or two samples have losses of hard samp
 dozen steps, up to 3 times further out than the window's highest (digits at batch size 1); a bad batch, 38 times."""
 ALIKE = 10.0
 """Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
+JUMPED = 2.0
+"""A layer's gradient norm jumped with a loss spike when it reached this many times its recent median."""
 MAD_SCALE = 1.4826
 """``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
 MOMENTS = ("loss_spike", "exploding_gradients")
@@ -495,19 +497,20 @@ class HealthTracker:
         layers: Sequence[str],
         left_out: frozenset[str],
     ) -> Evidence:
-        """A spike at ``step``, named after the layers whose gradient norm jumped within :data:`ALIKE` of the most
-        (a layer's jump: the least of its parameters' against their window's median), nearest the output first; not
-        the layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
+        """A spike at ``step``, named after the layers whose gradient norm jumped (:data:`JUMPED`) within
+        :data:`ALIKE` of the most (a layer's jump: the least of its parameters' against their window's median), nearest
+        the output first; not a layer without a gradient (a target network's copy), nor the layers ``left_out``
+        (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
         jumps: dict[str, float] = {}
         for j, name in enumerate(layers):
             if name in left_out:
                 continue
             past = [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])]
-            if j < len(norms) and past:
+            if j < len(norms) and norms[j] > 0 and past:  # a parameter without a gradient did not jump
                 jump = _ratio(norms[j], statistics.median(past))
                 jumps[name] = min(jumps.get(name, math.inf), jump)
         top = max(jumps.values(), default=0.0)
-        alike = [n for n in jumps if jumps[n] >= top / ALIKE and top > 1]
+        alike = [n for n in jumps if jumps[n] >= max(top / ALIKE, JUMPED)]
         order = {n: i for i, n in enumerate(dict.fromkeys(layers))}
         worst = sorted(alike, key=lambda n: -order[n])[:SHOWN_LAYERS]
         where = (

@@ -3,7 +3,9 @@ classic bugs, naming the layer where the problem starts. Each case failed on the
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -514,6 +516,37 @@ def test_a_bad_batch_once_a_classifier_has_converged_is_a_loss_spike(tmp_path: P
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)  # type: ignore[method-assign]
     spikes = [f for f in fit(tmp_path, model, steps=320, every=50) if f.check == "loss_spike"]
     assert [f.step for f in spikes] == [300]
+
+
+class WithAverage(nn.Module):
+    """``net`` and ``average``, its exponential moving average kept under ``no_grad`` (a mean teacher, a DQN's target
+    network): a deep copy whose parameters require gradients but never get one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.average = copy.deepcopy(self.net)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for mean, p in zip(self.average.parameters(), self.net.parameters(), strict=True):
+                mean.lerp_(p, 0.01)
+        return self.net(x)
+
+
+def test_a_loss_spike_names_no_layer_whose_gradient_did_not_jump(tmp_path: Path) -> None:
+    # A regression whose batch at step 300 has its targets shifted by 2: the loss jumps 58-fold, the gradient norms
+    # (against a median that on a CPU includes the early steps') barely move. Before, the spike was put on the moving
+    # average's layers, which have no gradient (0 against 0 counted as 1x, "alike"), and on the net's at 1.03x.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(4096, 8)
+    model = Fit(WithAverage(), x, x[:, :1] * 2 + x[:, 1:2].sin(), lambda net, x, y: F.mse_loss(net(x), y), lr=3e-3)
+    model.loss = lambda net, x, y: F.mse_loss(net(x), y + 2.0 * (model.global_step == 300))
+    [spike] = fit(tmp_path, model, steps=320, every=50)
+    assert (spike.check, spike.step) == ("loss_spike", 300)
+    assert not [layer for layer in spike.layers if layer.startswith("net.average")]
+    named = re.search(r"jumped most in .* \(([0-9.]+)× its recent median\)", spike.message)
+    assert named is None or float(named.group(1)) >= 2, spike.message
 
 
 def test_tf_idf_features_are_sparse_not_small(tmp_path: Path) -> None:
