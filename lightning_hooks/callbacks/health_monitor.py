@@ -88,7 +88,7 @@ class HealthMonitor(StatsCallback):
         exclude: Glob patterns of modules to leave out.
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
-        dead_fraction: Share of a layer's units that must be dead (0.25).
+        dead_fraction: Share of a layer's units that must be dead (0.7).
         gradient_spread: How many times less or more than its peers a layer must learn (1e3: three
             orders of magnitude).
         norm_growth: How many times the total gradient norm must grow over a steady rise (100).
@@ -119,7 +119,7 @@ class HealthMonitor(StatsCallback):
         exclude: list[str] | None = None,
         types: list[str] | None = None,
         max_depth: int | None = None,
-        dead_fraction: float = 0.25,
+        dead_fraction: float = 0.7,
         gradient_spread: float = 1e3,
         norm_growth: float = 100.0,
         update_ratio_low: float = 1e-6,

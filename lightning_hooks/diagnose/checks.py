@@ -43,6 +43,9 @@ MIN_SAMPLES = 8
 MIN_DEAD = 2
 """``dead_units`` names a layer with fewer dead units only when every unit is dead: one unit of a narrow layer is
 chance (RegNet's four-unit squeeze-and-excitation bottleneck had one silent from its initialisation, 25 %)."""
+OUTPUT_DEAD = 0.25
+"""At the model's output ``dead_units`` takes this share of dead units, if below ``dead_fraction``: there each dead
+unit is a class or a target the model cannot give (a ReLU on the logits), not spare width."""
 SHOWN_LAYERS = 3
 """How many layers a finding over several names (worst first)."""
 PEER_GAP = 10.0
@@ -60,7 +63,7 @@ SETTLED = 10
 class Thresholds:
     """The lines the checks draw (``HealthMonitor``'s arguments of the same names)."""
 
-    dead_fraction: float = 0.25
+    dead_fraction: float = 0.7
     gradient_spread: float = 1e3
     norm_growth: float = 100.0
     update_ratio_low: float = 1e-6
@@ -164,7 +167,8 @@ def pruned_away(snap: Snapshot) -> dict[str, list[bool]]:
 
 def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
     """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of the
-    tracker's window; of this step by default), and at least :data:`MIN_DEAD` of them or all. A layer right after a
+    tracker's window; of this step by default; at the model's output, :data:`OUTPUT_DEAD`), and at least
+    :data:`MIN_DEAD` of them or all. A layer right after a
     dead one (a pooling after a dead ReLU) carries the same dead units on and is not named again; a layer with weights
     ends the chain, except after a layer whose every unit is silent: one layer with weights fed only zeros gives out
     its bias alone, so a layer right after it whose every unit is silent too (the dropout after a transformer MLP's
@@ -184,13 +188,15 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
         dead = sum(flags)
         share = dead / len(flags)
         every = dead == len(flags)
-        is_dead = share >= limits.dead_fraction and (dead >= MIN_DEAD or every)
+        output = bool(snap.executed) and name == snap.executed[-1]
+        line = min(limits.dead_fraction, OUTPUT_DEAD) if output else limits.dead_fraction
+        is_dead = share >= line and (dead >= MIN_DEAD or every)
         if is_dead and not previous_dead and not (every and after_silent and weighted <= 1):
             said = (
                 f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "
                 f"checked ({share:.0%}): they pass no gradient back; "
             )
-            if snap.executed and name == snap.executed[-1]:
+            if output:
                 said += (
                     "it is the model's output: an activation after the model's output layer clips its outputs at "
                     "zero; remove it (`cross_entropy` and most losses take the raw outputs)."
@@ -203,7 +209,7 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
                 )
             else:
                 said += "try a lower learning rate, LeakyReLU or GELU, or a normalization layer before the activation."
-            found.append(Evidence("dead_units", (label(name),), share, limits.dead_fraction, said))
+            found.append(Evidence("dead_units", (label(name),), share, line, said))
         previous_dead, after_silent, weighted = is_dead, every, 0
     return found
 

@@ -25,8 +25,8 @@ def warning(finding: HealthFinding) -> str:
 
     Example::
 
-        >>> print(warning(HealthFinding("dead_units", ("fc.1",), 10, 30, 0.5, 0.25, "Half are dead.")))
-        `HealthMonitor` found dead_units in `fc.1` since step 10 (value 0.5, threshold 0.25): Half are dead.
+        >>> print(warning(HealthFinding("dead_units", ("fc.1",), 10, 30, 0.75, 0.7, "Most are dead.")))
+        `HealthMonitor` found dead_units in `fc.1` since step 10 (value 0.75, threshold 0.7): Most are dead.
     """
     where = ", ".join(f"`{layer}`" for layer in finding.layers)
     return (

@@ -47,7 +47,7 @@ def test_dead_units_are_named_in_the_relu_with_one_finding_warned_once_and_logge
     assert dead.layers == ("net.1",)
     assert (dead.step, dead.last_step) == (0, 30)  # one finding, held since step 0, advanced to the last check
     assert dead.value == 1.0
-    assert dead.threshold == 0.25
+    assert dead.threshold == 0.7
     assert "a large negative bias" in dead.message  # every unit silent: its input is never positive
     assert sum("dead_units" in w for w in warned) == 1
     # every unit silent is conclusive: reported at the first check, without waiting for a window of batches
@@ -158,7 +158,7 @@ def half_precision_relu() -> planted.Planted:
 
 def test_float16_outputs_are_counted_without_overflow(tmp_path: Path) -> None:
     # half the units silent: judged once a window holds 512 samples per unit (8 checks of 64)
-    monitor, _ = fit(tmp_path, half_precision_relu, steps=41, checks=["dead_units", "nonfinite"])
+    monitor, _ = fit(tmp_path, half_precision_relu, steps=41, checks=["dead_units", "nonfinite"], dead_fraction=0.5)
     assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.2",), 0.5)]
 
 
@@ -216,8 +216,8 @@ def snapshot(step: int, **kwargs: object) -> Snapshot:
     ("fired", "expected"),
     [
         ([3.0, 5.0, 1.0, 9.0], []),  # every unit fired for some sample
-        ([0.0, 5.0, 1.0, 9.0, 0.0, 2.0, 4.0, 1.0], [0.25]),  # a quarter never fired: at the line
-        ([0.0, 5.0, 1.0, 9.0], []),  # a quarter too, but one unit of four is chance
+        ([0.0, 5.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [0.75]),  # three quarters never fired: over the line
+        ([0.0, 5.0, 1.0, 9.0, 0.0, 0.0, 0.0, 1.0], []),  # half: spare width (a healthy moons MLP has as many)
         ([0.0, 0.0, 0.0, 0.0], [1.0]),
     ],
 )
@@ -226,6 +226,13 @@ def test_dead_units_count_units_not_zeros(fired: list[float], expected: list[flo
     found = dead_units(snapshot(3, activations=act, units={"act": fired, "pool": fired}), Thresholds())
     # the pooling layer after the ReLU carries the same dead units on and is not named again
     assert [(e.layers, e.value) for e in found] == [(("act",), v) for v in expected]
+
+
+def test_one_dead_unit_of_a_narrow_layer_is_chance_at_any_line() -> None:
+    act = {"act": State(numel=64), "pool": State(numel=64)}
+    fired = [0.0, 5.0, 1.0, 9.0]  # a quarter, at a line of a quarter: one unit of four is chance
+    found = dead_units(snapshot(3, activations=act, units={"act": fired, "pool": fired}), Thresholds(0.25))
+    assert found == []
 
 
 def test_a_layer_with_weights_between_two_dead_relus_ends_the_chain() -> None:
@@ -237,7 +244,7 @@ def test_a_layer_with_weights_between_two_dead_relus_ends_the_chain() -> None:
         units={"act": dead, "act2": dead, "pool": dead},
         leaves_with_params=frozenset({"fc"}),
     )
-    assert [e.layers for e in dead_units(snap, Thresholds())] == [("act",), ("act2",)]
+    assert [e.layers for e in dead_units(snap, Thresholds(dead_fraction=0.5))] == [("act",), ("act2",)]
 
 
 def test_dead_units_need_enough_samples_per_unit() -> None:
@@ -260,7 +267,7 @@ def test_a_spread_of_gradients_along_the_depth_is_named_at_its_input_end() -> No
 def test_dead_units_keep_only_the_checks_of_their_window(samples: int, kept: int) -> None:
     # A large model checked with a window of 64 checks held 64 lists of its 100 k unit flags; the window needs only
     # enough checks for 512 samples per unit (and `patience`): three checks of 1,024 tokens, eight of 64 samples.
-    tracker = HealthTracker(["dead_units"], Thresholds())
+    tracker = HealthTracker(["dead_units"], Thresholds(dead_fraction=0.25))
     for step in range(0, 200, 10):
         act = State(numel=8 * samples, sum_sq=1.0)
         units = [0.0, 1.0, 2.0, 3.0, 0.0, 5.0, 6.0, 7.0]

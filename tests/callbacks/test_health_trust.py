@@ -477,7 +477,8 @@ def test_a_constant_learning_rate_that_only_the_norm_gains_find_low_is_not_named
 def test_a_converged_classifier_whose_gradient_norm_dips_and_comes_back_is_not_exploding(tmp_path: Path) -> None:
     # scikit-learn's digits under AdamW at 1e-2: once most batches are fitted their gradients are tiny, and the norm
     # logged every 10 steps wanders 100-fold and back. Before, a rise out of such a dip was an exploding gradient.
-    # The ReLU's dead units are real: 17 of its 64 are zero on all 1,797 digits from step 50 on (counted apart).
+    # 17 of the ReLU's 64 units are zero on all 1,797 digits from step 50 on (counted apart), but this is the best of
+    # the learning rates tried (0.99 accuracy): spare width, not dead units (test_a_healthy_relu_mlp_...).
     from sklearn.datasets import load_digits
 
     pl.seed_everything(0, verbose=False)
@@ -486,8 +487,7 @@ def test_a_converged_classifier_whose_gradient_norm_dips_and_comes_back_is_not_e
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), lr=1e-2)
     model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)  # type: ignore[method-assign]
-    found = fit(tmp_path, model, steps=1000, every=10)
-    assert [(f.check, f.layers) for f in found] == [("dead_units", ("net.1",))]
+    assert fit(tmp_path, model, steps=1000, every=10) == []
 
 
 def test_one_hard_sample_in_a_batch_of_one_is_not_a_loss_spike(tmp_path: Path) -> None:
@@ -885,12 +885,60 @@ class Excite(nn.Module):
         return x * torch.sigmoid(self.expand(self.act(self.reduce(x))))
 
 
-@pytest.mark.parametrize(("silent", "expected"), [(1, []), (2, [("dead_units", ("net.2.act",))])])
+def dead_shares(net: nn.Sequential, x: torch.Tensor) -> list[float]:
+    """Per ReLU of ``net``, the share of its units zero for every sample of ``x``."""
+    shares, h = [], x
+    with torch.no_grad():
+        for layer in net:
+            h = layer(h)
+            if isinstance(layer, nn.ReLU):
+                shares.append(float(((h > 0).sum(0) == 0).float().mean()))
+    return shares
+
+
+@pytest.mark.parametrize(
+    ("data", "lr", "expected"),
+    [("moons", 1e-3, []), ("digits", 0.1, [("dead_units", ("net.1",))])],
+    ids=["moons at Adam's default", "digits at 100x it"],
+)
+def test_a_healthy_relu_mlp_with_spare_dead_units_is_not_told(
+    tmp_path: Path, data: str, lr: float, expected: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    # scikit-learn's moons, two features, through a 64x64 ReLU MLP under AdamW at 1e-3: 97 % accuracy, and a quarter
+    # to 40 % of the second ReLU's units zero on every sample (counted apart, 3 seeds). Two features span little, so
+    # many units never see a positive input: spare width. Before, 8 of 12 such runs (moons, sine, circles) were told
+    # dead_units and "try a lower learning rate". The units that cost accuracy: digits at 0.1 kills over 70 % of each
+    # ReLU (0.88 accuracy against 0.99 at 1e-2); both published rule sets draw their line at 70 % too.
+    from sklearn.datasets import load_digits, make_moons
+
+    pl.seed_everything(0, verbose=False)
+    if data == "moons":
+        points, labels = make_moons(2000, noise=0.2, random_state=0)
+        x, y = torch.tensor(points, dtype=torch.float32), torch.tensor(labels)
+    else:
+        digits = load_digits()
+        x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    classes = int(y.max()) + 1
+    net = nn.Sequential(nn.Linear(x.shape[1], 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, classes))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), lr=lr)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    found = fit(tmp_path, model, steps=600, every=10)
+    shares = dead_shares(net, x)
+    if expected:
+        assert min(shares) >= 0.7, shares
+    else:
+        assert 0.25 <= max(shares) < 0.7, shares
+    named = [(f.check, f.layers) for f in found]
+    assert (named[:1] if expected else named) == expected, named
+
+
+@pytest.mark.parametrize(("silent", "expected"), [(1, []), (2, []), (3, [("dead_units", ("net.2.act",))])])
 def test_one_silent_unit_of_a_narrow_bottleneck_is_not_dead_units(
     tmp_path: Path, silent: int, expected: list[tuple[str, tuple[str, ...]]]
 ) -> None:
     # RegNet's squeeze-and-excitation bottleneck has four units; one was silent from its initialisation on (counted
-    # apart over all the data), 25 %, and the monitor said dead_units. One unit is chance, not a problem; two are.
+    # apart over all the data), 25 %, and the monitor said dead_units. One unit is chance and two are spare width (see
+    # test_a_healthy_relu_mlp_with_spare_dead_units_is_not_told); three of four are dead units.
     pl.seed_everything(0, verbose=False)
     x = seeded(512, 16, 16)  # sequences of 16 tokens: 128 samples a batch for each unit
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Excite(32, silent), nn.Linear(32, 4))

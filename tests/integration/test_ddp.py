@@ -91,6 +91,6 @@ def test_health_monitor_decides_on_rank_zero_from_the_pooled_statistics(tmp_path
     alone.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
         torch.utils.data.TensorDataset(-alone.x.abs(), alone.y), batch_size=8
     )
-    monitor = HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"])
+    monitor = HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"], dead_fraction=0.5)
     make_trainer(tmp_path / "alone", [monitor], max_steps=64).fit(alone)  # a window of 512 samples per unit
     assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("act",), 0.5)]

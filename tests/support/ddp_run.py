@@ -85,7 +85,7 @@ def main() -> None:
     torch.save(model.state_dict(), out / "initial.pt")
     check = PickleCheck(out)
     callbacks: list[pl.Callback] = (
-        [HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"])]
+        [HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"], dead_fraction=0.5)]
         if args.health
         else [ShapeLogger(), GradClamp(0.05), GradStats(log_every_n_steps=1), ActivationStats(log_every_n_steps=1)]
     )

@@ -95,9 +95,9 @@ class TransformerNet(pl.LightningModule):
         torch.manual_seed(0)
         self.blocks = nn.Sequential(Block(16), Block(16))
         self.head = nn.Linear(16, 3)
-        if dead:  # 12 of the first MLP's 32 units never fire: all of them in the second half, tp rank 1's
+        if dead:  # 24 of the first MLP's 32 units never fire: all 16 of tp rank 1's, half of rank 0's
             with torch.no_grad():
-                self.blocks[0].up.bias[20:] = -100.0
+                self.blocks[0].up.bias[8:] = -100.0
         generator = torch.Generator().manual_seed(1)
         self.x = torch.randn(64, 6, 16, generator=generator)
         self.y = torch.randint(0, 3, (64,), generator=generator)
