@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_hooks.core.tables import Cell, Table
@@ -47,7 +48,8 @@ class Sink:
         self._held_layout: int | None = None
 
     def _backends(self, trainer: pl.Trainer) -> list[tuple[Logger, Backend]]:
-        return [(logger, backend(logger)) for logger in trainer.loggers]
+        # `fast_dev_run` swaps the loggers for a DummyLogger, which drops everything: nothing to send it or warn about
+        return [(logger, backend(logger)) for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
 
     def _warn_unshown(self, backends: list[tuple[Logger, Backend]], kinds: Sequence[str]) -> None:
         """Warn once per unknown logger, and once per kind that no logger of the Trainer shows."""

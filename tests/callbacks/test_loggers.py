@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 
 from benchmarks.overhead import SyncCounter
-from lightning_hooks import ActivationStats, GradStats, NonFiniteGuard, ShapeLogger
+from lightning_hooks import ActivationStats, GradStats, HealthMonitor, NonFiniteGuard, ShapeLogger
 from lightning_hooks.sinks.backends import mlflow_key
 from lightning_hooks.sinks.sink import Sink
 from tests.support.helpers import TinyNet, events, make_trainer, scalars, texts
@@ -318,6 +318,20 @@ def test_an_unknown_logger_gets_scalars_and_one_warning_naming_what_it_does_not(
     assert "it gets scalars only, through its `log_metrics`, and no histograms, figures, text or tables" in mine[0]
     assert {"act_mean/fc1", "grad_norm/fc1.weight"} <= logger.logged[0]
     assert sorted(step for step, tags in logger.logged.items() if "act_mean/fc1" in tags) == [0, 2]
+
+
+def test_fast_dev_run_whose_logger_drops_everything_costs_no_warning(tmp_path: Path) -> None:
+    # `fast_dev_run` swaps the Trainer's loggers for Lightning's DummyLogger. Before, every callback that logs tables
+    # or histograms warned that `DummyLogger` "gets scalars only", on the run a newcomer tries first.
+    callbacks = [ShapeLogger(), ActivationStats(histograms=True), GradStats(histograms=True), HealthMonitor()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path, callbacks, fast_dev_run=2)
+        trainer.fit(TinyNet())
+    assert type(trainer.logger).__name__ == "DummyLogger"
+    assert trainer.global_step == 2
+    mine = [str(w.message) for w in caught if "lightning_hooks" in w.filename and "never ran" not in str(w.message)]
+    assert mine == []
 
 
 def test_mlflow_markdown_goes_on_in_a_resumed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
