@@ -168,11 +168,11 @@ def pruned_away(snap: Snapshot) -> dict[str, list[bool]]:
 def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]] | None = None) -> list[Evidence]:
     """Layers with at least ``dead_fraction`` of their output units ``silent`` (zero for every sample of the
     tracker's window; of this step by default; at the model's output, :data:`OUTPUT_DEAD`), and at least
-    :data:`MIN_DEAD` of them or all. A layer right after a
-    dead one (a pooling after a dead ReLU) carries the same dead units on and is not named again; a layer with weights
-    ends the chain, except after a layer whose every unit is silent: one layer with weights fed only zeros gives out
-    its bias alone, so a layer right after it whose every unit is silent too (the dropout after a transformer MLP's
-    output projection, whose bias starts at zero) is not named again either."""
+    :data:`MIN_DEAD` of them or all. A layer right after a dead one (a pooling after a dead ReLU) carries the same dead
+    units on and is not named again; a layer with weights ends the chain, except after a layer whose every unit is
+    silent: one layer with weights fed only zeros gives out its bias alone, so a layer right after it whose every unit
+    is silent too (the dropout after a transformer MLP's output projection, whose bias starts at zero) is not named
+    again either."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False  # the last layer without weights was dead, and no layer with weights ran since
