@@ -116,22 +116,27 @@ def report_silent_modules(trainer: pl.Trainer) -> None:
     Excepted, because nothing the user trains goes unseen: a module without parameters (transformers' attention
     dropout, which the attention kernel applies), a container whose parent calls its children (OPT's decoder,
     called past its model; a ``Sequential`` iterated), a module whose weights another module uses (tied embeddings;
-    the ``out_proj`` of an ``nn.MultiheadAttention``, whose forward hands its weights to the attention function), a
-    container without a forward, a LightningModule whose ``forward`` is Lightning's pass-through.
+    the ``out_proj`` of an ``nn.MultiheadAttention``, whose forward hands its weights to the attention function; a
+    layer whose weights its parent applies with ``F.linear``, which got gradients in the last step), a container
+    without a forward, a LightningModule whose ``forward`` is Lightning's pass-through.
     """
     recorded = _RECORDED.pop(trainer, None)
     if recorded is None:
         return
     ran = {id(recorded.selected[name]) for name in recorded.fired if name in recorded.selected}
     used = {id(p) for m in recorded.selected.values() if id(m) in ran for p in m.parameters(recurse=False)}
+    # Weights another module applies itself (`F.linear(x, fake_quant(self.fc.weight))`) got gradients in the last step.
+    applied = {id(p) for p in trainer.lightning_module.parameters() if p.grad is not None}
     lent = {id(m.out_proj) for m in trainer.lightning_module.modules() if isinstance(m, nn.MultiheadAttention)}
 
     def unseen(m: nn.Module) -> bool:
+        params = {id(p) for p in m.parameters()}
         return (
             type(m).forward not in (nn.Module.forward, LightningModule.forward)
             and id(m) not in lent
             and not any(id(inner) in ran for inner in m.modules())  # the module itself first: most ran
-            and not {id(p) for p in m.parameters()} <= used
+            and not params <= used
+            and (m in Observer.transformed or not params <= applied)  # vmapped: its gradients were written by hand
         )
 
     silent = [name for name, m in recorded.selected.items() if unseen(m)]

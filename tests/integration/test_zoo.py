@@ -230,6 +230,36 @@ def test_modules_that_never_ran_but_whose_work_is_seen_are_not_named(tmp_path: P
     assert "nothing to show for them: unused." in never[0]
 
 
+class FakeQuantized(nn.Module):
+    """Quantization-aware training's usual wrapper: ``fc`` holds the weights, which this module rounds to a grid and
+    applies itself (``fc`` is never called), the gradient passing straight through the rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.fc.weight + ((self.fc.weight * 16).round() / 16 - self.fc.weight).detach()
+        return F.linear(x, weight, self.fc.bias)
+
+
+class QuantizedNet(ZooModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.unused = FakeQuantized(), nn.Linear(4, 3), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_a_layer_whose_weights_its_parent_applies_is_not_named(tmp_path: Path) -> None:
+    # Before, `body.fc` was named as never run, though its weights learn and GradStats logs their gradients.
+    never = [m for m in fit(QuantizedNet(), tmp_path) if "never ran" in m]
+    assert len(never) == 1, never
+    assert "nothing to show for them: unused." in never[0]
+    assert {"grad_norm/body.fc.weight", "act_mean/body"} <= set(events(tmp_path).Tags()["scalars"])
+
+
 class StackNet(ZooModule):
     """Blocks kept in an ``nn.ModuleList`` and ``nn.ModuleDict``, which are iterated, never called."""
 
