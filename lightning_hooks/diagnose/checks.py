@@ -20,6 +20,7 @@ __all__ = [
     "no_learning",
     "saturation",
     "saturated_layers",
+    "vanishing_layers",
     "silent_units",
     "SHOWN_LAYERS",
     "Snapshot",
@@ -272,6 +273,54 @@ def peer_medians(values: dict[str, float]) -> dict[str, float]:
     return {n: statistics.median(roles[role(n)]) if len(roles[role(n)]) >= 3 else overall for n in values}
 
 
+def _mean_gradients(snap: Snapshot, skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Per layer with a finite, non-zero gradient (but those in ``skip``), in model order, its mean ``|gradient|``."""
+    return {
+        name: state.abs_sum / state.numel
+        for name in snap.order
+        if (state := snap.grads.get(name)) is not None
+        and state.numel
+        and state.abs_sum > 0
+        and math.isfinite(state.abs_sum)
+        and name not in skip
+    }
+
+
+def vanishing_layers(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Under SGD, when the gradient shrinks steadily toward the input by ``gradient_spread`` or more along the depth
+    (:func:`depth_trend`), the layers, in model order, whose mean ``|gradient|`` is that far below the largest."""
+    means = _mean_gradients(snap, skip)
+    plain = [n for n in means if n not in snap.adaptive]
+    if depth_trend([means[n] for n in plain]) < limits.gradient_spread:
+        return []
+    top = max(means[n] for n in plain)
+    return [n for n in plain if means[n] <= top / limits.gradient_spread]
+
+
+FADING = "fading along the depth"
+"""The group of the finding for a gradient that shrinks toward the input (:func:`vanishing_layers`)."""
+DEPTH_LAYERS = 6
+"""``gradient_spread`` looks for a trend along the depth over at least this many layers judged by their gradient."""
+DEPTH_FIT = 0.9
+"""... where the logarithm of their mean ``|gradient|`` follows their depth this closely (Pearson's correlation)."""
+
+
+def depth_trend(means: Sequence[float]) -> float:
+    """How many times the gradient grows from the first to the last of ``means`` (in model order), along a straight
+    line fitted to their logarithms against depth, when the fit is close (:data:`DEPTH_FIT`); 1.0 otherwise. A
+    deep plain ReLU MLP at PyTorch's default initialisation falls about 2.5 times a layer toward the input: the
+    middle layers are the median, so neither end lies three orders of magnitude from it, though the ends are six
+    apart."""
+    if len(means) < DEPTH_LAYERS:
+        return 1.0
+    logs = [math.log10(m) for m in means]
+    depth = list(range(len(logs)))
+    slope = statistics.linear_regression(depth, logs).slope
+    if statistics.correlation(depth, logs) < DEPTH_FIT:
+        return 1.0
+    return 10.0 ** (slope * (len(logs) - 1))
+
+
 def gradient_spread(
     snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset(), converged: bool = False
 ) -> list[Evidence]:
@@ -284,23 +333,28 @@ def gradient_spread(
     the median layer's. Layers in ``skip`` (started at zero) are not judged, nor embedding tables against ``eps`` (a
     batch reaches a few of their rows), nor any layer against ``eps`` once the run ``converged``.
     Vanishing layers are named nearest the input first and only before the first exploding one, and the
-    other way round; adaptive optimizers normalise exploding gradients away, so those are not judged here.
+    other way round; adaptive optimizers normalise exploding gradients away, so those are not judged here. Under SGD,
+    a gradient that shrinks steadily toward the input (:func:`depth_trend`) by ``gradient_spread`` or more is one
+    finding, vanishing in the layers that far below the largest, and nothing is exploding.
     """
-    means = {
-        name: state.abs_sum / state.numel
-        for name in snap.order
-        if (state := snap.grads.get(name)) is not None
-        and state.numel
-        and state.abs_sum > 0
-        and math.isfinite(state.abs_sum)
-        and name not in skip
-    }
+    means = _mean_gradients(snap, skip)
     if len(means) < 3:
         return []
     ratios = {n: r for n, r in snap.ratios.items() if n in means and math.isfinite(r) and r > 0}
     ratio_peers = peer_medians(ratios) if len(ratios) >= 3 else {}
     median = statistics.median(means.values())
     spread = limits.gradient_spread
+    if faded := vanishing_layers(snap, limits, skip):  # a slope, not outliers: the gradient fades on its way in
+        plain = [means[n] for n in means if n not in snap.adaptive]
+        top, first = max(plain), means[faded[0]]
+        said = _listed(faded) + (
+            f" get gradients {top / first:.0e} times smaller than the largest layer's (mean |g| {first:.2e} against "
+            f"{top:.2e}), shrinking layer by layer toward the input, a vanishing gradient: their weights barely "
+            f"learn; try residual connections, normalization layers, or an initialisation that keeps the signal's "
+            f"scale (`nn.init.kaiming_normal_` for ReLU)."
+        )
+        layers = tuple(label(n) for n in faded[:SHOWN_LAYERS])
+        return [Evidence("vanishing_gradients", layers, first / top, 1 / spread, said, group=FADING)]
 
     starved = {
         name: eps
@@ -363,7 +417,7 @@ def update_ratio(
     scheduled: frozenset[str] = frozenset(),
     converged: bool = False,
     faded: dict[str, float] | None = None,
-    saturated: Sequence[str] = (),
+    explained: Sequence[str] = (),
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when
     :data:`PEER_GAP` times their peers' (see :func:`peer_medians`), when the peers are above it too, or when their
@@ -379,9 +433,10 @@ def update_ratio(
     range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
     :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none; nor a
     layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead, which ``dead_units``
-    names), and a higher learning rate would change nothing; nor a layer that runs before one of the ``saturated``
-    layers (which ``saturation`` names): the gradient reaching it passes through saturated units, and a higher
-    learning rate would not bring them back.
+    names), and a higher learning rate would change nothing; nor a layer that runs before one of the layers
+    ``explained`` (those ``saturation`` names, and those ``vanishing_gradients`` names for a gradient that fades along
+    the depth): the gradient reaching it passes through saturated units or fades on its way, and a higher learning
+    rate would not bring it back.
     But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
     the fit to go) is judged below the range: those below it make one finding, named after the schedule. Layers below
     the range with the median layer make one finding too: the learning rate is too low for the whole model.
@@ -407,7 +462,7 @@ def update_ratio(
     overall = statistics.median(judged.values()) if judged else math.inf
     everywhere = overall < limits.update_ratio_low
     position = {name: i for i, name in enumerate(snap.order)}
-    squashed = max((position[n] for n in saturated if n in position), default=-1)  # the last saturated layer
+    squashed = max((position[n] for n in explained if n in position), default=-1)  # the last one explained
     for name, ratio in judged.items():
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
             continue
@@ -426,7 +481,8 @@ def update_ratio(
             stalled.append(name)
             continue
         elif below and name not in scheduled and not converged and everywhere and not slower:
-            crawling.append(name)
+            if position[name] > squashed:
+                crawling.append(name)
             continue
         elif below and name not in scheduled and not converged and position[name] > squashed:
             threshold = limits.update_ratio_low

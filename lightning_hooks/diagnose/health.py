@@ -15,6 +15,7 @@ from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks import (
     CONVERGED,
     FADED,
+    FADING,
     SATURATED,
     SETTLED,
     SHOWN_LAYERS,
@@ -38,6 +39,7 @@ from lightning_hooks.diagnose.checks import (
     silent_units,
     unoptimized,
     update_ratio,
+    vanishing_layers,
     zero_loss,
 )
 from lightning_hooks.stats.state import State
@@ -190,20 +192,23 @@ class HealthTracker:
         if "dead_units" in on:
             immediate += self._dead_units(snap)
             persistent += copied_units(snap)
+        learnt = self._learnt(snap, learning)
+        squashed = saturated_layers(snap, learnt) if "saturation" in on else []
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
-            persistent += [e for e in gradient_spread(snap, self.limits, skip, converged) if e.check in on]
+            spread = gradient_spread(snap, self.limits, skip, converged)
+            # a gradient that fades through saturated units: `saturation` names the cause
+            persistent += [e for e in spread if e.check in on and not (squashed and e.group == FADING)]
         if "exploding_gradients" in on:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
             immediate += self._norm_growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
-        learnt = self._learnt(snap, learning)
-        squashed = saturated_layers(snap, learnt) if "saturation" in on else []  # update_ratio leaves what is behind
+        explained = squashed + (vanishing_layers(snap, self.limits, skip) if "vanishing_gradients" in on else [])
         if "update_ratio" in on and judged:
             clipped = [e for e in clipped_away(snap, self.limits, skip) if e.check in on]
             persistent += (
                 rounded_away(snap, skip)
                 or clipped
-                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), squashed)
+                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), explained)
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)

@@ -191,12 +191,46 @@ def test_a_deep_sigmoid_stack_is_named_in_its_first_layer_with_no_exploding_grad
     for _ in range(5):
         layers += [nn.Linear(32, 32), nn.Sigmoid()]
     findings = fit(tmp_path, classification(nn.Sequential(*layers, nn.Linear(32, 3)), lr=0.1), steps=31)
-    assert findings[0].layers == ("net.0",)  # its weights barely learn: the gradient vanished on the way
+    assert findings[0].layers[0] == "net.0"  # its weights barely learn: the gradient vanished on the way
     assert "vanishing gradient" in findings[0].message
     # under SGD its peers move well at the same learning rate: raising it is not the fix (it was the advice before)
     assert "raise the learning rate" not in findings[0].message
     # the last layer's gradient is large only next to the vanished ones: not an exploding gradient
     assert not [f for f in findings if f.check == "exploding_gradients"]
+
+
+@pytest.mark.parametrize("he_init", [False, True], ids=["default init", "He init"])
+def test_a_gradient_fading_layer_by_layer_in_a_deep_relu_mlp_is_vanishing_at_its_input(
+    tmp_path: Path, he_init: bool
+) -> None:
+    # Twenty ReLU layers of 64 at PyTorch's default initialisation, digits, SGD: the gradient shrinks about 2.5 times a
+    # layer toward the input (counted apart below), six orders of magnitude from end to end, and the loss stays at
+    # ln 10. The median layer is in the middle, so the input end was not 1,000 times below it and the output end was:
+    # before, "exploding_gradients in net.38, net.40: try gradient clipping, a lower learning rate". With He's
+    # initialisation (`kaiming_normal_`) the signal keeps its scale and the net learns.
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(*[layer for _ in range(20) for layer in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 10))
+    for layer in net[::2] if he_init else ():
+        nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+        nn.init.zeros_(layer.bias)
+    initial = copy.deepcopy(net)
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.01 if he_init else 0.05)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    found = fit(tmp_path, model, steps=200, every=10)
+    if he_init:
+        assert found == []
+        return
+    F.cross_entropy(initial(x[:32]), y[:32]).backward()
+    norms = [float(layer.weight.grad.norm()) for layer in initial[::2]]
+    assert all(a < b for a, b in zip(norms, norms[1:], strict=False)), norms
+    assert norms[-1] > 1e5 * norms[0], norms
+    assert [(f.check, f.layers[0], f.step) for f in found][:1] == [("vanishing_gradients", "net.0", 0)]
+    assert not [f for f in found if f.check in ("exploding_gradients", "update_ratio")], found
+    assert "shrinking layer by layer toward the input" in found[0].message
 
 
 @pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])
