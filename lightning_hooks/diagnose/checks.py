@@ -307,13 +307,14 @@ DEPTH_FIT = 0.9
 
 def depth_trend(means: Sequence[float]) -> float:
     """How many times the gradient grows from the first to the last of ``means`` (in model order), along a straight
-    line fitted to their logarithms against depth, when the fit is close (:data:`DEPTH_FIT`); 1.0 otherwise. A
+    line fitted to their logarithms against depth, when it rises toward the output on a close fit (:data:`DEPTH_FIT`);
+    1.0 otherwise. A
     deep plain ReLU MLP at PyTorch's default initialisation falls about 2.5 times a layer toward the input: the
     middle layers are the median, so neither end lies three orders of magnitude from it, though the ends are six
     apart."""
-    if len(means) < DEPTH_LAYERS:
-        return 1.0
     logs = [math.log10(m) for m in means]
+    if len(logs) < DEPTH_LAYERS or max(logs) == min(logs):  # too few to fit, or flat (no correlation to speak of)
+        return 1.0
     depth = list(range(len(logs)))
     slope = statistics.linear_regression(depth, logs).slope
     if statistics.correlation(depth, logs) < DEPTH_FIT:

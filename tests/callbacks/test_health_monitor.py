@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import health as planted
 from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
+from lightning_hooks.diagnose.checks import depth_trend
 from lightning_hooks.diagnose.health import HealthTracker, Snapshot, Thresholds, dead_units, gradient_spread
 from lightning_hooks.diagnose.report import summary
 from lightning_hooks.stats.state import State
@@ -261,6 +262,22 @@ def test_a_spread_of_gradients_along_the_depth_is_named_at_its_input_end() -> No
     assert [(e.check, e.layers) for e in vanishing] == [("vanishing_gradients", ("fc1",))]
     exploding = gradient_spread(snapshot(0, grads=grads(fc1=1e4, pool=1.0, fc2=1e-4)), Thresholds())
     assert [(e.check, e.layers) for e in exploding] == [("exploding_gradients", ("fc1",))]
+
+
+@pytest.mark.parametrize(
+    ("means", "expected"),
+    [
+        ([1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1], 1e5),  # a tenfold fall a layer toward the input
+        ([1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6], 1.0),  # growing toward the input: the other direction
+        ([1e-3] * 6, 1.0),  # flat: no trend (and no division by a zero spread)
+        ([1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e3], 1.0),  # one outlier at the output end is no trend along the depth
+        ([1e-6, 1e-5, 1e-4, 1e-3, 1e-2], 1.0),  # too few layers to tell
+    ],
+)
+def test_depth_trend_is_a_close_fit_of_the_gradients_logarithm_against_depth(
+    means: list[float], expected: float
+) -> None:
+    assert depth_trend(means) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("samples", "kept"), [(1024, 3), (64, 8)])
