@@ -289,12 +289,16 @@ def _mean_gradients(snap: Snapshot, skip: frozenset[str] = frozenset()) -> dict[
 def vanishing_layers(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[str]:
     """Under SGD, when the gradient shrinks steadily toward the input by ``gradient_spread`` or more along the depth
     (:func:`depth_trend`), the layers, in model order, whose mean ``|gradient|`` is that far below the largest."""
-    means = _mean_gradients(snap, skip)
-    plain = [n for n in means if n not in snap.adaptive]
-    if depth_trend([means[n] for n in plain]) < limits.gradient_spread:
-        return []
+    return _fading(_mean_gradients(snap, skip), snap.adaptive, limits.gradient_spread)[0]
+
+
+def _fading(means: dict[str, float], adaptive: frozenset[str], spread: float) -> tuple[list[str], float]:
+    """:func:`vanishing_layers` from the layers' mean ``|gradient|`` (in model order), and the largest of them."""
+    plain = [n for n in means if n not in adaptive]
+    if depth_trend([means[n] for n in plain]) < spread:
+        return [], 0.0
     top = max(means[n] for n in plain)
-    return [n for n in plain if means[n] <= top / limits.gradient_spread]
+    return [n for n in plain if means[n] <= top / spread], top
 
 
 FADING = "fading along the depth"
@@ -308,10 +312,9 @@ DEPTH_FIT = 0.9
 def depth_trend(means: Sequence[float]) -> float:
     """How many times the gradient grows from the first to the last of ``means`` (in model order), along a straight
     line fitted to their logarithms against depth, when it rises toward the output on a close fit (:data:`DEPTH_FIT`);
-    1.0 otherwise. A
-    deep plain ReLU MLP at PyTorch's default initialisation falls about 2.5 times a layer toward the input: the
-    middle layers are the median, so neither end lies three orders of magnitude from it, though the ends are six
-    apart."""
+    1.0 otherwise. A deep plain ReLU MLP at PyTorch's default initialisation falls about 2.5 times a layer toward the
+    input: the middle layers are the median, so neither end lies three orders of magnitude from it, though the ends
+    are six apart."""
     logs = [math.log10(m) for m in means]
     if len(logs) < DEPTH_LAYERS or max(logs) == min(logs):  # too few to fit, or flat (no correlation to speak of)
         return 1.0
@@ -345,9 +348,9 @@ def gradient_spread(
     ratio_peers = peer_medians(ratios) if len(ratios) >= 3 else {}
     median = statistics.median(means.values())
     spread = limits.gradient_spread
-    if faded := vanishing_layers(snap, limits, skip):  # a slope, not outliers: the gradient fades on its way in
-        plain = [means[n] for n in means if n not in snap.adaptive]
-        top, first = max(plain), means[faded[0]]
+    faded, top = _fading(means, snap.adaptive, spread)
+    if faded:  # a slope, not outliers: the gradient fades on its way in
+        first = means[faded[0]]
         said = _listed(faded) + (
             f" get gradients {top / first:.0e} times smaller than the largest layer's (mean |g| {first:.2e} against "
             f"{top:.2e}), shrinking layer by layer toward the input, a vanishing gradient: their weights barely "
