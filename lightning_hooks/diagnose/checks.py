@@ -16,6 +16,7 @@ __all__ = [
     "CONVERGED",
     "Evidence",
     "input_scale",
+    "mean_gradients",
     "no_backward",
     "no_learning",
     "saturation",
@@ -273,7 +274,7 @@ def peer_medians(values: dict[str, float]) -> dict[str, float]:
     return {n: statistics.median(roles[role(n)]) if len(roles[role(n)]) >= 3 else overall for n in values}
 
 
-def _mean_gradients(snap: Snapshot, skip: frozenset[str] = frozenset()) -> dict[str, float]:
+def mean_gradients(snap: Snapshot, skip: frozenset[str] = frozenset()) -> dict[str, float]:
     """Per layer with a finite, non-zero gradient (but those in ``skip``), in model order, its mean ``|gradient|``."""
     return {
         name: state.abs_sum / state.numel
@@ -289,7 +290,7 @@ def _mean_gradients(snap: Snapshot, skip: frozenset[str] = frozenset()) -> dict[
 def vanishing_layers(snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset()) -> list[str]:
     """Under SGD, when the gradient shrinks steadily toward the input by ``gradient_spread`` or more along the depth
     (:func:`depth_trend`), the layers, in model order, whose mean ``|gradient|`` is that far below the largest."""
-    return _fading(_mean_gradients(snap, skip), snap.adaptive, limits.gradient_spread)[0]
+    return _fading(mean_gradients(snap, skip), snap.adaptive, limits.gradient_spread)[0]
 
 
 def _fading(means: dict[str, float], adaptive: frozenset[str], spread: float) -> tuple[list[str], float]:
@@ -341,7 +342,7 @@ def gradient_spread(
     a gradient that shrinks steadily toward the input (:func:`depth_trend`) by ``gradient_spread`` or more is one
     finding, vanishing in the layers that far below the largest, and nothing is exploding.
     """
-    means = _mean_gradients(snap, skip)
+    means = mean_gradients(snap, skip)
     if len(means) < 3:
         return []
     ratios = {n: r for n, r in snap.ratios.items() if n in means and math.isfinite(r) and r > 0}
@@ -438,7 +439,7 @@ def update_ratio(
     Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
     :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
     ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
-    range: their steps are small by design; nor is any layer once the run ``converged`` (its loss fell
+    range: their steps are small by design; nor is any layer once the run ``converged`` (its loss or its gradient fell
     :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none; nor a
     layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead, which ``dead_units``
     names), and a higher learning rate would change nothing; nor a layer that runs before one of the layers

@@ -30,6 +30,7 @@ from lightning_hooks.diagnose.checks import (
     giant_steps,
     gradient_spread,
     input_scale,
+    mean_gradients,
     no_backward,
     no_learning,
     nonfinite,
@@ -152,6 +153,7 @@ class HealthTracker:
         self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
         self._reference_loss: float | None = None
         self._first_loss: float | None = None  # the median loss of the first logging step
+        self._first_gradient: float | None = None  # and its median layer's mean |gradient|
         self._saturated_at_start: frozenset[str] | None = None  # the layers saturated at the first logging step
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
@@ -401,15 +403,23 @@ class HealthTracker:
     def _settle(self, snap: Snapshot) -> tuple[bool, bool, bool]:
         """From the logging step's median loss: whether the run settles here (the first logging step from step
         :data:`SETTLED`, whose loss becomes the reference), whether it is learning (its loss below that reference),
-        and whether it converged (its loss :data:`CONVERGED` times below the first logging step's)."""
+        and whether it converged: its loss, or its median layer's mean ``|gradient|``, :data:`CONVERGED` times below the
+        first logging step's (gradient descent that reached the least-squares fit of noisy targets: the loss stops at
+        the noise, the gradient at 0)."""
         loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
         if self._first_loss is None and math.isfinite(loss):
             self._first_loss = loss
+        means = mean_gradients(snap)
+        gradient = statistics.median(means.values()) if means else math.nan
+        if self._first_gradient is None and math.isfinite(gradient):
+            self._first_gradient = gradient
         settling = snap.step >= SETTLED and self._reference_loss is None
         if settling:
             self._reference_loss = loss
         learning = loss < self._reference_loss if self._reference_loss is not None else False
-        converged = self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss
+        converged = (self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss) or (
+            self._first_gradient is not None and gradient * CONVERGED <= self._first_gradient
+        )
         return settling, learning, converged
 
     def _learnt(self, snap: Snapshot, learning: bool) -> frozenset[str]:

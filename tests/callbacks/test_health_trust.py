@@ -1009,6 +1009,27 @@ def test_large_steps_that_bring_the_loss_down_are_not_a_learning_rate_too_high(t
     assert found == [], losses
 
 
+def test_gradient_descent_that_reached_the_least_squares_fit_is_not_told_to_raise_the_learning_rate(
+    tmp_path: Path,
+) -> None:
+    # Full-batch gradient descent on a linear regression with noisy targets, at half the largest stable learning rate,
+    # reaches the least-squares fit in some 20 steps: its loss stops at the noise (some 200 times below where it
+    # started, not 1,000), its gradient at 0, and its steps shrink to 1e-8 of the weights. The monitor said
+    # update_ratio, "the learning rate is too low for the model; raise it". A run whose gradient fell 1,000-fold has
+    # converged as surely as one whose loss did.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(32, 8)
+    y = x @ torch.linspace(-1, 1, 8)[:, None] + 0.1 * torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
+    design = torch.cat([x, torch.ones(32, 1)], dim=1)
+    lr = 0.5 * 2 / float(torch.linalg.eigvalsh(2 * design.T @ design / 32).max())
+    net = nn.Sequential(nn.Linear(8, 1))
+    model = PlainSGD(net, x, y, lambda m, x, y: F.mse_loss(m(x), y), lr=lr, batch=32)
+    found = fit(tmp_path, model, steps=80, every=2)
+    fitted = torch.linalg.lstsq(design, y).solution.flatten()
+    torch.testing.assert_close(torch.cat([net[0].weight.flatten(), net[0].bias]).detach(), fitted, atol=1e-4, rtol=0)
+    assert found == []
+
+
 @pytest.mark.parametrize(("silent", "expected"), [(1, []), (2, []), (3, [("dead_units", ("net.2.act",))])])
 def test_one_silent_unit_of_a_narrow_bottleneck_is_not_dead_units(
     tmp_path: Path, silent: int, expected: list[tuple[str, tuple[str, ...]]]
