@@ -908,8 +908,8 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
         said = (
             f"{share:.0%} of the outputs of `{label(first)}` are within 0.1 % of their bounds"
             f"{f', and over half of those of {_listed(rest)}' if rest else ''}: saturated units pass almost no "
-            f"gradient back; normalise the inputs, use a smaller initialisation, or give `cross_entropy` / "
-            f"`binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."
+            f"gradient back; normalise the inputs, use a smaller initialisation or a lower learning rate, or give "
+            f"`cross_entropy` / `binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."
         )
         layers = tuple(label(n) for n in squashed[:SHOWN_LAYERS])
         found.append(Evidence("saturation", layers, share, SATURATED, said, group="saturated layers"))

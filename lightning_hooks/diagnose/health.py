@@ -154,7 +154,7 @@ class HealthTracker:
         self._reference_loss: float | None = None
         self._first_loss: float | None = None  # the median loss of the first logging step
         self._first_gradient: float | None = None  # and its median layer's mean |gradient|
-        self._saturated_at_start: frozenset[str] | None = None  # the layers saturated at the first logging step
+        self._saturated_early: set[str] = set()  # the layers saturated at a logging step before the run settled
         self._zero_start: set[str] = set()
         self._seen_weights: set[str] = set()
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
@@ -194,7 +194,7 @@ class HealthTracker:
         if "dead_units" in on:
             immediate += self._dead_units(snap)
             persistent += copied_units(snap)
-        learnt = self._learnt(snap, learning)
+        learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
             spread = gradient_spread(snap, self.limits, skip, converged)
@@ -422,12 +422,13 @@ class HealthTracker:
         )
         return settling, learning, converged
 
-    def _learnt(self, snap: Snapshot, learning: bool) -> frozenset[str]:
-        """The layers that saturated while the loss fell (a sharp attention that solved its task), but not those
-        saturated from the first logging step on (weights too large from the start): :func:`saturation` leaves them."""
-        if self._saturated_at_start is None and snap.saturated:
-            self._saturated_at_start = frozenset(n for n, share in snap.saturated.items() if share >= SATURATED)
-        return frozenset(snap.saturated) - (self._saturated_at_start or frozenset()) if learning else frozenset()
+    def _learnt(self, snap: Snapshot, settling: bool, learning: bool) -> frozenset[str]:
+        """The layers that saturated while the loss fell below where the run settled (a sharp attention that solved
+        its task), but not those saturated at a logging step before then (weights too large from the start, or a
+        learning rate that saturates them in the first steps): :func:`saturation` leaves them."""
+        if self._reference_loss is None or settling:
+            self._saturated_early |= {n for n, share in snap.saturated.items() if share >= SATURATED}
+        return frozenset(snap.saturated) - self._saturated_early if learning else frozenset()
 
     def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
