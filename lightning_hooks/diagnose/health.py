@@ -210,7 +210,7 @@ class HealthTracker:
             persistent += (
                 rounded_away(snap, skip)
                 or clipped
-                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), explained, learning)
+                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), explained)
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)

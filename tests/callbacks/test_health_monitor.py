@@ -79,6 +79,7 @@ def test_exploding_gradients_are_seen_between_logging_steps_before_the_overflow(
 def test_update_ratio_names_the_layer_with_a_hundredfold_learning_rate(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, planted.fast_layer, steps=21)
     assert [f.layers for f in only(monitor.findings, "update_ratio")] == [("net.2",)]
+    assert "is ten times or more its peers'" in only(monitor.findings, "update_ratio")[0].message
 
 
 def test_activation_growth_names_the_layer_that_grew(tmp_path: Path) -> None:
