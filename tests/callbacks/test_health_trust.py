@@ -1029,17 +1029,16 @@ def test_large_steps_that_bring_the_loss_down_are_not_a_learning_rate_too_high(t
 
     digits = load_digits()
     x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
-    losses, found = {}, []
+    losses, found = {}, {}
     for lr in (1.0, 0.1):
         pl.seed_everything(0, verbose=False)
         net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         model = PlainSGD(net, x[:1792], y[:1792], lambda m, x, y: F.cross_entropy(m(x), y), lr=lr, batch=32)
-        named = fit(tmp_path, model, steps=300, every=10)
-        found += named if lr == 1.0 else []
+        found[lr] = fit(tmp_path, model, steps=300, every=10)
         with torch.no_grad():
             losses[lr] = float(F.cross_entropy(net(x), y))
     assert losses[1.0] < losses[0.1] / 2, losses
-    assert found == [], losses
+    assert found[1.0] == [], losses
 
 
 def test_gradient_descent_that_reached_the_least_squares_fit_is_not_told_to_raise_the_learning_rate(
