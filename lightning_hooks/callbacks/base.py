@@ -418,7 +418,15 @@ class StatsCallback(HookCallback):
             return copies.view(-1, *tensor.shape)
 
         # An output gradient is laid out as the output it is of; HealthMonitor's vectors decide for themselves.
-        outputs = {"act": "act", "out": "fwd", "units": "units", "sat": "sat", "input": "input"}
+        outputs = {
+            "act": "act",
+            "out": "fwd",
+            "units": "units",
+            "sat": "sat",
+            "input": "input",
+            "taken": "taken",
+            "entry": "entry",
+        }
         return Across(frozenset(groups), agree, reduce, replicas, tensor_parallel.get_local_rank(), outputs, per_unit)
 
     def _log_group(self, trainer: pl.Trainer, prefix: str, fetched: Fetched, group: str, step: int) -> None:

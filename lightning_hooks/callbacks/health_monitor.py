@@ -402,7 +402,9 @@ class HealthMonitor(StatsCallback):
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
-        fetched = self._batch.fetch(self._across(trainer, {"units", "sat", "input", *sharded}, per_unit))
+        fetched = self._batch.fetch(
+            self._across(trainer, {"units", "sat", "input", "taken", "entry", *sharded}, per_unit)
+        )
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._carry, self._missing = [], {}  # the zero_grad hooks' sign copies are not kept to the next logging step
         self._backwards = 0
@@ -562,10 +564,12 @@ class HealthMonitor(StatsCallback):
             pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
             channelwise=self._channelwise,
             input_takers={path: label(name) for path, name in self._units.takers.items()},
+            taken={k[1]: _rms(v) for k, v in vectors.items() if k[0] == "taken"},
+            entry=next(((label(k[1]), _rms(v)) for k, v in vectors.items() if k[0] == "entry"), None),
             normalizers=self._normalizers,
             weight_sizes=self._sizes,
             inputs={  # not an additive mask in every micro-batch (its fills all alike)
-                k[1]: math.sqrt(v[0] / max(v[1], 1)) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]
+                k[1]: _rms(v) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]
             },
             saturated={
                 label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
@@ -639,6 +643,11 @@ class _Carried:
             return None
         fresh = torch.stack(self.fresh).sum() if self.fresh else torch.zeros_like(self.old)
         return torch.stack([self.old, fresh, (grad.detach() * self.signs).sum()]).float()
+
+
+def _rms(sums: list[float]) -> float:
+    """The RMS of :func:`~lightning_hooks.stats.state.input_sums` added up."""
+    return math.sqrt(sums[0] / max(sums[1], 1))
 
 
 def _learning_rate(group: dict[str, Any]) -> float:

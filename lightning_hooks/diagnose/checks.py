@@ -120,6 +120,8 @@ class Snapshot:
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
     channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)
     input_takers: dict[str, str] = field(default_factory=dict)  # per batch tensor (path), the first layer taking it
+    taken: dict[str, float] = field(default_factory=dict)  # per batch tensor (path), the RMS of what its taker took
+    entry: tuple[str, float] | None = None  # the first layer to take a floating-point tensor, and that tensor's RMS
     normalizers: frozenset[str] = frozenset()  # normalization layers (batch, layer, group, instance, RMS)
 
 
@@ -799,15 +801,20 @@ its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Floating-point batch tensors whose RMS over their non-zero values is :data:`INPUT_SCALE` times off unit scale
     (a sparse input, such as a TF-IDF row normalised to unit length, is small only in its zeros), named after the
-    layer that took the tensor as it came (else the first layer that ran, or the last one for the batch's last
-    tensor, a target compared with the output). Not when that layer is a normalization: the model standardises it."""
+    layer that took the tensor as it came (else the first layer to take a floating-point tensor, or the last one to
+    run for the batch's last tensor, a target compared with the output). Only when what that layer took is as far
+    off, on the same side: a model that divides its pixels by 255 itself, or slices the numeric columns out of a
+    batch that also holds category indices, gives its first layer values of unit scale. Not when that layer is a
+    normalization: the model standardises it."""
     found = []
     paths = list(snap.inputs)
     for path, rms in snap.inputs.items():
-        taker = snap.input_takers.get(path)
-        if not (rms >= INPUT_SCALE or 0 < rms <= 1 / INPUT_SCALE) or taker in snap.normalizers:
-            continue
         target = len(paths) > 1 and path == paths[-1]
+        taker, took = snap.input_takers.get(path), snap.taken.get(path, rms)
+        if taker is None and not target and snap.entry is not None:
+            taker, took = snap.entry
+        if not _off_scale(rms) or _off_scale(took) != _off_scale(rms) or taker in snap.normalizers:
+            continue
         layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"
         said = (
@@ -818,6 +825,11 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         )
         found.append(Evidence("input_scale", tuple(label(n) for n in layers) or ("root",), rms, INPUT_SCALE, said))
     return found
+
+
+def _off_scale(rms: float) -> int:
+    """1 for an RMS :data:`INPUT_SCALE` times above 1 or more, -1 for one as far below (but not 0), else 0."""
+    return 1 if rms >= INPUT_SCALE else -1 if 0 < rms <= 1 / INPUT_SCALE else 0
 
 
 def zero_loss(snap: Snapshot) -> bool:

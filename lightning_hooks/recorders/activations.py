@@ -14,6 +14,7 @@ from lightning_hooks.core.handles import HookHandles, made_once
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.shards import counted_part, is_sharded
 from lightning_hooks.stats.batch import OutputKeys, StatBatch
+from lightning_hooks.stats.state import input_sums
 
 __all__ = ["ActivationRecorder", "UnitRecorder"]
 
@@ -133,12 +134,16 @@ class UnitRecorder:
         self.batch_tensors: dict[int, str] = {}
         """The batch's tensors to follow this step, by data pointer: their paths."""
         self.takers: dict[str, str] = {}
-        """Per batch tensor (path), the first module that took it (or a view of it) as an input."""
+        """Per batch tensor (path), the first module that took it (or a view of it) as an input; the
+        :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("taken", <path>)``."""
+        self.entry: str | None = None
+        """While batch tensors are followed, the first module to take any floating-point tensor; the
+        :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("entry", <module>)``."""
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
-        self.batch_tensors, self.takers = {}, {}
+        self.batch_tensors, self.takers, self.entry = {}, {}, None
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -174,11 +179,7 @@ class _UnitHook:
         if torch.is_grad_enabled():
             recorder.with_grad.add(self.name)
         if recorder.batch_tensors:
-            for arg in args:
-                if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided:  # sparse: no data pointer
-                    continue
-                if (path := recorder.batch_tensors.get(arg.data_ptr())) is not None:
-                    recorder.takers.setdefault(path, self.name)
+            _follow_batch(recorder, self.name, args)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
             _squashed(recorder, self.name, module, output)
         for path, tensor in named_tensors(output):
@@ -198,6 +199,23 @@ class _UnitHook:
             else:
                 recorder.batch.add_vector(key, squares.sum())
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
+
+
+def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> None:
+    """Note the module as the taker of the batch tensors among its inputs (by data pointer: a view starts where the
+    tensor does, a slice of its first columns too) and as the entry if it is the first to take a floating-point
+    tensor, with the sums of what it took: a model that slices its batch or scales it itself takes other values than
+    the batch holds."""
+    for arg in args:
+        if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided or not arg.is_floating_point():
+            continue  # a sparse tensor has no one address; integers are indices
+        path = recorder.batch_tensors.get(arg.data_ptr())
+        if path is not None and path not in recorder.takers:
+            recorder.takers[path] = name
+            recorder.batch.add_vector(("taken", path), input_sums(counted_part(arg, copies_off_mesh=False)))
+        if recorder.entry is None and arg.numel():
+            recorder.entry = name
+            recorder.batch.add_vector(("entry", name), input_sums(counted_part(arg, copies_off_mesh=False)))
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)

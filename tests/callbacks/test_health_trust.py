@@ -910,6 +910,68 @@ def test_raw_numeric_columns_are_judged_at_the_layer_that_takes_them(
     assert [(f.check, f.layers, f.step) for f in found] == expected
 
 
+class Pixels(nn.Module):
+    """A small CNN on 0-255 pixels that divides them by 255 itself, or takes them as they come."""
+
+    def __init__(self, divides: bool) -> None:
+        super().__init__()
+        self.divides = divides
+        self.layers = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x / 255 if self.divides else x)
+
+
+class Packed(nn.Module):
+    """A tabular model whose batch is one float tensor, as a data frame's values come: 8 numeric columns, then 2
+    columns of category codes (up to 20,000) that go to embeddings, never to a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = nn.ModuleList([nn.Embedding(20_000, 4), nn.Embedding(50, 4)])
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        codes = x[:, 8:].long()
+        embedded = [embedding(codes[:, i]) for i, embedding in enumerate(self.embeddings)]
+        return self.head(torch.cat([x[:, :8], *embedded], 1))
+
+
+def packed(scale: float) -> Fit:
+    generator = torch.Generator().manual_seed(0)
+    numbers = seeded(512, 8)
+    codes = torch.stack([torch.randint(0, n, (512,), generator=generator) for n in (20_000, 50)], 1)
+    y = (numbers[:, 0] > 0).long()
+    return Fit(Packed(), torch.cat([numbers * scale, codes.float()], 1), y, lambda m, x, y: F.cross_entropy(m(x), y))
+
+
+def pixels(divides: bool) -> Fit:
+    x = (seeded(256, 1, 8, 8).sigmoid() * 255).round()
+    y = (x[:, 0, :4].mean((1, 2)) > x[:, 0, 4:].mean((1, 2))).long()
+    return Fit(Pixels(divides), x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (partial(pixels, True), []),
+        (partial(pixels, False), [("input_scale", ("net.layers.0",), 0)]),
+        (partial(packed, 1.0), []),
+        (partial(packed, 1000.0), [("input_scale", ("net.head.0",), 0)]),
+    ],
+    ids=["pixels the model divides by 255", "raw pixels", "codes beside standardised columns", "raw columns"],
+)
+def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
+    tmp_path: Path, build: Callable[[], Fit], expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # Before, the batch tensor's own RMS decided: pixels of RMS 150 that the model divides by 255 itself, and category
+    # codes (RMS 8,000) beside standardised columns, were called unstandardised inputs; raw columns were named at
+    # the first layer to run, the embedding that takes the codes.
+    pl.seed_everything(0, verbose=False)
+    found = [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=10) if f.check == "input_scale"]
+    assert found == expected
+
+
 class SparseGraph(pl.LightningModule):
     """A graph convolution whose batch is the graph: a sparse adjacency (COO) and the node features."""
 
