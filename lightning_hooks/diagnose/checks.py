@@ -786,6 +786,8 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
 
 INPUT_SCALE = 100.0
 """``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
+ALIKE_SCALE = 10.0
+"""Targets whose RMS is within this factor of an input's share its scale (a series and its forecast)."""
 SATURATED = 0.5
 """``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
 ROWS_SUM_TO_ZERO = 1e-3
@@ -805,15 +807,23 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     run for the batch's last tensor, a target compared with the output). Only when what that layer took is as far
     off, on the same side: a model that divides its pixels by 255 itself, or slices the numeric columns out of a
     batch that also holds category indices, gives its first layer values of unit scale. Not when that layer is a
-    normalization: the model standardises it."""
+    normalization: the model standardises it. Nor targets within :data:`ALIKE_SCALE` of inputs the model rescales
+    itself: a forecaster that normalises each window of a series and de-normalises its forecast (RevIN) is judged
+    on the series' own scale."""
     found = []
     paths = list(snap.inputs)
+    rescaled = []  # the RMS of the inputs the model brought to unit scale itself
     for path, rms in snap.inputs.items():
         target = len(paths) > 1 and path == paths[-1]
         taker, took = snap.input_takers.get(path), snap.taken.get(path, rms)
         if taker is None and not target and snap.entry is not None:
             taker, took = snap.entry
-        if not _off_scale(rms) or _off_scale(took) != _off_scale(rms) or taker in snap.normalizers:
+        side = _off_scale(rms)
+        if side and _off_scale(took) != side:
+            rescaled.append(rms)
+        if not side or _off_scale(took) != side or taker in snap.normalizers:
+            continue
+        if target and any(max(rms, r) < ALIKE_SCALE * min(rms, r) for r in rescaled):
             continue
         layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"

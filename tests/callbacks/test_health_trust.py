@@ -945,6 +945,28 @@ def packed(scale: float) -> Fit:
     return Fit(Packed(), torch.cat([numbers * scale, codes.float()], 1), y, lambda m, x, y: F.cross_entropy(m(x), y))
 
 
+class Forecaster(nn.Module):
+    """A linear forecaster of a series' next 8 values from its last 24, on the series' own scale: with RevIN it
+    normalises each window, and de-normalises its forecast with the window's mean and spread."""
+
+    def __init__(self, revin: bool) -> None:
+        super().__init__()
+        self.revin, self.layers = revin, nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.revin:
+            return self.layers(x)
+        mean, spread = x.mean(1, keepdim=True), x.std(1, keepdim=True) + 1e-5
+        return self.layers((x - mean) / spread) * spread + mean
+
+
+def forecaster(revin: bool) -> Fit:
+    t = torch.arange(2_000.0)
+    series = 1_000 + 100 * torch.sin(t * 2 * math.pi / 24) + seeded(2_000, scale=10.0)
+    windows = series.unfold(0, 32, 4)  # a window of 24 values, then the 8 to forecast
+    return Fit(Forecaster(revin), windows[:, :24], windows[:, 24:], lambda m, x, y: F.mse_loss(m(x), y))
+
+
 def pixels(divides: bool) -> Fit:
     x = (seeded(256, 1, 8, 8).sigmoid() * 255).round()
     y = (x[:, 0, :4].mean((1, 2)) > x[:, 0, 4:].mean((1, 2))).long()
@@ -958,15 +980,25 @@ def pixels(divides: bool) -> Fit:
         (partial(pixels, False), [("input_scale", ("net.layers.0",), 0)]),
         (partial(packed, 1.0), []),
         (partial(packed, 1000.0), [("input_scale", ("net.head.0",), 0)]),
+        (partial(forecaster, True), []),
+        (partial(forecaster, False), [("input_scale", ("net.layers.0",), 0), ("input_scale", ("net.layers.2",), 0)]),
     ],
-    ids=["pixels the model divides by 255", "raw pixels", "codes beside standardised columns", "raw columns"],
+    ids=[
+        "pixels the model divides by 255",
+        "raw pixels",
+        "codes beside standardised columns",
+        "raw columns",
+        "a series the model normalises window by window",
+        "a raw series",
+    ],
 )
 def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
     tmp_path: Path, build: Callable[[], Fit], expected: list[tuple[str, tuple[str, ...], int]]
 ) -> None:
     # Before, the batch tensor's own RMS decided: pixels of RMS 150 that the model divides by 255 itself, and category
     # codes (RMS 8,000) beside standardised columns, were called unstandardised inputs; raw columns were named at
-    # the first layer to run, the embedding that takes the codes.
+    # the first layer to run, the embedding that takes the codes. A forecaster that de-normalises its forecast (RevIN)
+    # was told to standardise its targets, which share the scale of the series it takes.
     pl.seed_everything(0, verbose=False)
     found = [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=10) if f.check == "input_scale"]
     assert found == expected
