@@ -731,15 +731,23 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     stays at least 1 (``snap.skipped_at_scale``): it halves the scale and goes on. Below 1 they overflow unscaled.
     A ``NonFiniteGuard`` finding in the same Trainer (``snap.guard``) is named first. A model whose float16 weights
     an optimizer steps with an ``eps`` that float16 rounds to 0 (``snap.eps_lost``: Adam's 1e-8) is told so: every
-    weight whose gradient is exactly zero then gets 0 / 0.
+    weight whose gradient is exactly zero then gets 0 / 0. An output's Inf, with no NaN and a finite loss and
+    gradients, is not named: it is a mask (logits of invalid actions filled with ``-inf``) that the loss handles.
     """
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
     layers: list[str] = []
     scale = snap.skipped_at_scale
     routine = scale is not None and scale >= 1  # fp16 loss scaling at work
     tables = [("output", snap.activations), *([] if routine else [("parameter gradient", snap.grads)])]
+    # An output's Inf (or a square above float32's range) with a finite loss and gradients is a mask: invalid
+    # actions or classes filled with -inf, or the dtype's lowest value, before a softmax that makes them 0.
+    spread = bad_losses or any(s.nonfinite for s in snap.grads.values())
     for what, table in tables:
-        layers = [name for name in snap.order if name in table and table[name].nonfinite > 0]  # execution order
+        layers = [  # execution order
+            name
+            for name in snap.order
+            if name in table and table[name].nonfinite > 0 and (what != "output" or spread or _has_nan(table[name]))
+        ]
         if layers:
             count = float(len(layers))
             said = (
@@ -782,6 +790,11 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             f"sqrt of a non-positive number, or an overflow.{note}"
         )
     return [Evidence("nonfinite", tuple(named[:SHOWN_LAYERS]) or ("root",), count, 0.0, said, step=first)]
+
+
+def _has_nan(state: State) -> bool:
+    """Whether a NaN is among the values behind ``state`` (its sums are NaN; an Inf alone makes them Inf)."""
+    return math.isnan(state.sum_sq) or math.isnan(state.abs_sum)
 
 
 INPUT_SCALE = 100.0

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import HealthFinding, HealthMonitor
 from tests.support.helpers import ScaleLog, fp16, make_trainer
 from tests.support.pretrained import THIRD_PARTY, third_party
+from tests.support.zoo import MaskedClasses
 
 transformers = pytest.importorskip("transformers")
 
@@ -1002,6 +1003,14 @@ def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
     pl.seed_everything(0, verbose=False)
     found = [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=10) if f.check == "input_scale"]
     assert found == expected
+
+
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min], ids=["-inf", "lowest"])
+def test_logits_masked_with_minus_inf_are_not_called_non_finite(tmp_path: Path, fill: float) -> None:
+    # Before, the masked logits' Inf (or the square of the dtype's lowest value) was a non-finite output at step 0,
+    # though cross_entropy makes the masked classes' probabilities 0 and the loss and gradients stayed finite.
+    pl.seed_everything(0, verbose=False)
+    assert fit(tmp_path, MaskedClasses(fill, lr=0.5), steps=20) == []
 
 
 class SparseGraph(pl.LightningModule):

@@ -50,6 +50,38 @@ class ZooModule(pl.LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
 
 
+class MaskedClasses(ZooModule):
+    """An MLP whose ``mask`` module fills two classes of each sample, never its label, with ``fill``: the way a policy
+    masks invalid actions (``-inf``, the dtype's lowest value) before a softmax that makes them 0."""
+
+    classes = 5
+
+    def __init__(self, fill: float, **kwargs: Any) -> None:
+        super().__init__(n=64, **kwargs)
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, self.classes))
+        self.mask = Fill(fill)
+        self.invalid = (
+            F.one_hot((self.y + 1) % self.classes, self.classes) + F.one_hot((self.y + 3) % self.classes, self.classes)
+            > 0
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, invalid = batch
+        return F.cross_entropy(self.mask(self.body(x), invalid), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y, self.invalid), batch_size=self.batch_size)
+
+
+class Fill(nn.Module):
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(where, self.value)
+
+
 class ResNetish(ZooModule):
     input_shape = (1, 8, 8)
     probe = "layer1.0.conv1"
