@@ -60,7 +60,8 @@ class NonFiniteGuard(HookCallback):
     ``mode="replay"`` hooks nothing on a healthy step and only checks that its losses and gradients are
     finite; a step that fails is replayed through ``training_step`` with the hooks on, changing no ``.grad``,
     generator, train/eval flag or buffer, and dropping its ``self.log`` calls. ``mode="eager"`` hooks every
-    checked step and also sees NaNs that never reach the loss or the gradients. Manual optimization,
+    checked step and also sees NaNs that never reach the loss or the gradients (an Inf that never does is a
+    mask, such as ``-inf`` logits of invalid actions, and is left alone). Manual optimization,
     ``training_step(dataloader_iter)`` and distributed strategies other than DDP and ``ModelParallelStrategy``
     use ``mode="eager"`` and say so once. Under several processes the ranks agree on the verdict (under
     ``ModelParallelStrategy``, where each holds its part of the gradients, in one all-reduce per checked step)

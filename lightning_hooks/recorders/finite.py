@@ -16,7 +16,7 @@ from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.core.nested import call_inputs, named_tensors
 from lightning_hooks.core.select import ModuleSelector, type_label
 from lightning_hooks.core.shards import local
-from lightning_hooks.diagnose.finding import FINITE, Finding, Phase, Reading
+from lightning_hooks.diagnose.finding import FINITE, NAN, Finding, Phase, Reading
 from lightning_hooks.stats.state import flat_pieces, nonfinite_count, real_view
 
 __all__ = ["NonFiniteRecorder", "find_nonfinite", "finite_step", "grad_readings", "parameter_readings"]
@@ -175,15 +175,18 @@ class NonFiniteRecorder:
         * backward: the first gradient, in the order autograd computes them, non-finite at the input of a
           module whose output gradients were finite (by the same NaN-over-Inf rule);
         * otherwise, where non-finite values first *entered* the selected modules;
-        * ``None`` when all was finite.
+        * ``None`` when all was finite, or when the only non-finite values were inputs, or outputs' Inf that no loss
+          or gradient got (``extra`` finite too): a mask.
         """
         readings, rest = self.readings.read(extra)
         bad = {slot for slot, r in enumerate(readings) if r.nonfinite}
-        # The usual cases, decided without building anything: all finite, or only inputs are not (a mask).
+        # The usual cases, decided without building anything: all finite; or only inputs are not, or outputs hold
+        # Inf but no NaN while the losses and gradients are finite (a mask: invalid actions' logits set to -inf).
         if not bad or not (
             any(slot in bad for slot in self.losses)
             or any(slot in bad for _, slot in self.events)
-            or any(slot in bad for call in self.calls for _, slot in call.outputs)
+            or any(readings[slot].severity == NAN for call in self.calls for _, slot in call.outputs)
+            or not all(map(math.isfinite, rest))
         ):
             return None, rest
         return self._forward(readings) or self._loss(readings) or self._backward(readings), rest

@@ -18,7 +18,7 @@ from lightning_hooks import NonFiniteError, NonFiniteGuard
 from lightning_hooks.callbacks.nonfinite_guard import SKIPPED_TAG, TEXT_TAG
 from tests.support.helpers import TinyNet, events, hook_state, make_trainer, scalars, texts
 from tests.support.pretrained import third_party
-from tests.support.zoo import ResNetish, ZooModule
+from tests.support.zoo import MaskedClasses, ResNetish, ZooModule
 from tests.unit.test_finite_core import BadBackward, Log, NaNGrad
 
 
@@ -153,6 +153,23 @@ def test_a_healthy_eager_run_reports_nothing(tmp_path: Path, model: type[pl.Ligh
     assert TEXT_TAG not in tags["tensors"]
     assert SKIPPED_TAG not in tags["scalars"]
     assert hook_state(net) == before
+
+
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min], ids=["-inf", "lowest"])
+def test_an_eager_guard_leaves_logits_masked_with_minus_inf_alone(tmp_path: Path, fill: float) -> None:
+    # Before, the -inf logits of the masked classes, which cross_entropy turns into probabilities of 0, stopped the fit
+    # at step 0 in eager mode (as under manual optimization), though the loss and every gradient were finite.
+    guard = NonFiniteGuard(action="warn", mode="eager")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, [guard], max_steps=4).fit(MaskedClasses(fill))
+    assert guard.last_finding is None
+    assert guard_warnings(record) == []
+
+
+def test_an_eager_guard_names_a_mask_of_nan(tmp_path: Path) -> None:
+    with pytest.raises(NonFiniteError, match=r"forward: `mask` \(Fill\) made non-finite values from finite inputs"):
+        make_trainer(tmp_path, [NonFiniteGuard(mode="eager")], max_steps=4).fit(MaskedClasses(math.nan))
 
 
 def test_warn_reports_every_time_and_warns_once_per_layer(tmp_path: Path) -> None:
