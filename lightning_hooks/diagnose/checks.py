@@ -822,9 +822,14 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     batch that also holds category indices, gives its first layer values of unit scale. Not when that layer is a
     normalization: the model standardises it. Nor targets within :data:`ALIKE_SCALE` of inputs the model rescales
     itself: a forecaster that normalises each window of a series and de-normalises its forecast (RevIN) is judged
-    on the series' own scale."""
+    on the series' own scale. Nor a last tensor above the range while the loss is :data:`ALIKE_SCALE` times below
+    its RMS: a loss that compared outputs of unit scale with it (an L1 loss, a squared one) would be far above, so
+    it is something the loss uses otherwise, or not at all: sample weights, survival times that only a Cox loss's
+    ordering reads, boxes in pixels that a box coder normalises, timestamps."""
     found = []
     paths = list(snap.inputs)
+    losses = [abs(loss) for _, loss in snap.losses if math.isfinite(loss)]
+    loss = statistics.median(losses) if losses else math.inf
     rescaled = []  # the RMS of the inputs the model brought to unit scale itself
     for path, rms in snap.inputs.items():
         target = len(paths) > 1 and path == paths[-1]
@@ -837,6 +842,8 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         if not side or _off_scale(took) != side or taker in snap.normalizers:
             continue
         if target and any(max(rms, r) < ALIKE_SCALE * min(rms, r) for r in rescaled):
+            continue
+        if target and taker is None and side > 0 and loss * ALIKE_SCALE < rms:
             continue
         layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"

@@ -1005,6 +1005,45 @@ def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
     assert found == expected
 
 
+class LastNotTarget(pl.LightningModule):
+    """A batch ``(x, y, last)`` whose last tensor, of RMS above 100, the loss uses otherwise than as a target:
+    per-sample weights of up to 300 that it divides by their sum, or survival times in days that a Cox loss reads
+    only through their order (``y`` then says which times are events)."""
+
+    def __init__(self, cox: bool) -> None:
+        super().__init__()
+        self.cox, self.net = cox, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1 if cox else 2))
+        generator = torch.Generator().manual_seed(1)
+        self.x = seeded(512, 8)
+        self.y = (self.x[:, 0] > 0).long() if not cox else (torch.rand(512, generator=generator) < 0.7).long()
+        days = 3650 * torch.rand(512, generator=generator) * torch.exp(-self.x[:, 0])
+        self.last = days if cox else torch.where(self.y == 1, 300.0, 1.0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, last = batch
+        if not self.cox:
+            return (F.cross_entropy(self.net(x), y, reduction="none") * last).sum() / last.sum()
+        order = torch.argsort(last, descending=True)  # the risk set of each time: every later one
+        risk, event = self.net(x)[order, 0], y[order].float()
+        return -((risk - torch.logcumsumexp(risk, 0)) * event).sum() / event.sum().clamp(min=1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y, self.last), batch_size=64, shuffle=True)
+
+
+@pytest.mark.parametrize("cox", [False, True], ids=["sample weights", "survival times of a Cox loss"])
+def test_a_last_tensor_the_loss_does_not_compare_with_the_output_is_not_called_unscaled_targets(
+    tmp_path: Path, cox: bool
+) -> None:
+    # Before, the batch's last floating-point tensor was taken for regression targets whatever the loss made of it:
+    # weights of 300 or times of thousands of days were "targets" to standardise, while the loss stayed near 1.
+    pl.seed_everything(0, verbose=False)
+    assert [f for f in fit(tmp_path, LastNotTarget(cox), steps=10) if f.check == "input_scale"] == []
+
+
 @pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min], ids=["-inf", "lowest"])
 def test_logits_masked_with_minus_inf_are_not_called_non_finite(tmp_path: Path, fill: float) -> None:
     # Before, the masked logits' Inf (or the square of the dtype's lowest value) was a non-finite output at step 0,
