@@ -157,8 +157,9 @@ class GradClamper:
                 seen = dense if counted is None else [grad for grad in counted if grad.layout is strided]
                 count.clamped += [count_above(piece, value) for piece in flat_pieces(seen)]
                 count.seen += sum(grad.numel() for grad in seen)
-            torch._foreach_clamp_min_(dense, -value)
-            torch._foreach_clamp_max_(dense, value)
+            if dense:  # every gradient sparse (embeddings under SparseAdam): no dense one to clamp
+                torch._foreach_clamp_min_(dense, -value)
+                torch._foreach_clamp_max_(dense, value)
             for grad in sparse:  # no fused kernel
                 grad.copy_(clamp_true_gradient(grad, value, None, count))
 

@@ -148,6 +148,18 @@ def test_a_sparse_gradient_is_clamped_with_the_dense_ones(
 
 
 @pytest.mark.parametrize("mode", ["backward", "accumulated"])
+def test_a_model_whose_only_gradient_is_sparse_is_clamped(tmp_path: Path, mode: str) -> None:
+    # Before, with no dense gradient left to clamp, the fused clamp got an empty list and the fit died at step 0
+    # (a recommender's embedding tables under SparseAdam or SGD).
+    model = SparseEmbedding()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "embed.weight")
+    seen = Probe("on_before_optimizer_step", lambda trainer, pl_module, optimizer: pl_module.embed.weight.grad)
+    make_trainer(tmp_path, [GradClamp(0.01, mode=mode), seen], max_steps=2, logger=False).fit(model)
+    assert [float(g.coalesce().values().abs().max()) for g in seen.seen] == pytest.approx([0.01, 0.01])
+
+
+@pytest.mark.parametrize("mode", ["backward", "accumulated"])
 def test_a_complex_gradient_has_its_real_and_imaginary_parts_clamped(tmp_path: Path, mode: str) -> None:
     def grad(trainer: object, pl_module: SpectralNet, optimizer: object) -> torch.Tensor:
         return pl_module.mix.weight.grad.clone()
