@@ -298,12 +298,14 @@ class HealthMonitor(StatsCallback):
         self._stepped_before = steps is not None and steps != trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
-            self._units.batch_tensors = {}  # a previous micro-batch's tensors are freed: their addresses reused
-            for path, t in named_tensors(batch):
-                if t.is_floating_point() and t.numel():
-                    self._batch.add_vector(("input", path), input_sums(t))
-                    if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
-                        self._units.batch_tensors[t.data_ptr()] = path
+            self._units.batch_tensors, self._units.batch_sizes = {}, {}  # a previous micro-batch's were freed
+            floats = [(path, t) for path, t in named_tensors(batch) if t.is_floating_point() and t.numel()]
+            for i, (path, t) in enumerate(floats):
+                self._batch.add_vector(("input", path), input_sums(t))
+                if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
+                    self._units.batch_tensors[t.data_ptr()] = path
+                    if i < len(floats) - 1 or len(floats) == 1:  # not the targets: no layer takes them
+                        self._units.batch_sizes.setdefault(t.numel(), path)
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -816,16 +816,17 @@ its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in 
 def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     """Floating-point batch tensors whose RMS over their non-zero values is :data:`INPUT_SCALE` times off unit scale
     (a sparse input, such as a TF-IDF row normalised to unit length, is small only in its zeros), named after the
-    layer that took the tensor as it came (else the first layer to take a floating-point tensor, or the last one to
-    run for the batch's last tensor, a target compared with the output). Only when what that layer took is as far
-    off, on the same side: a model that divides its pixels by 255 itself, or slices the numeric columns out of a
-    batch that also holds category indices, gives its first layer values of unit scale. Not when that layer is a
-    normalization: the model standardises it. Nor targets within :data:`ALIKE_SCALE` of inputs the model rescales
-    itself: a forecaster that normalises each window of a series and de-normalises its forecast (RevIN) is judged
-    on the series' own scale. Nor a last tensor above the range while the loss is :data:`ALIKE_SCALE` times below
-    its RMS: a loss that compared outputs of unit scale with it (an L1 loss, a squared one) would be far above, so
-    it is something the loss uses otherwise, or not at all: sample weights, survival times that only a Cox loss's
-    ordering reads, boxes in pixels that a box coder normalises, timestamps."""
+    layer that took the tensor, a view of it or a copy made of it (else the first layer to take a floating-point
+    tensor, or the last one to run for the batch's last tensor, a target compared with the output). Only when what
+    that layer took is still :data:`ALIKE_SCALE` times off, on the same side: a model that divides its pixels by 255
+    itself, or slices the numeric columns out of a batch that also holds category indices, gives its first layer
+    values of unit scale. Not when that layer is a normalization: the model standardises it. Nor targets within
+    :data:`ALIKE_SCALE` of inputs the model rescales itself: a forecaster that normalises each window of a series and
+    de-normalises its forecast (RevIN) is judged on the series' own scale. Nor a last tensor above the range while
+    the loss is :data:`ALIKE_SCALE` times below its RMS: a loss that compared outputs of unit scale with it (an L1
+    loss, a squared one) would be far above, so it is something the loss uses otherwise, or not at all: sample
+    weights, survival times that only a Cox loss's ordering reads, boxes in pixels that a box coder normalises,
+    timestamps."""
     found = []
     paths = list(snap.inputs)
     losses = [abs(loss) for _, loss in snap.losses if math.isfinite(loss)]
@@ -837,9 +838,9 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         if taker is None and not target and snap.entry is not None:
             taker, took = snap.entry
         side = _off_scale(rms)
-        if side and _off_scale(took) != side:
+        if side and _off_scale(took, ALIKE_SCALE) != side:
             rescaled.append(rms)
-        if not side or _off_scale(took) != side or taker in snap.normalizers:
+        if not side or _off_scale(took, ALIKE_SCALE) != side or taker in snap.normalizers:
             continue
         if target and any(max(rms, r) < ALIKE_SCALE * min(rms, r) for r in rescaled):
             continue
@@ -857,9 +858,9 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     return found
 
 
-def _off_scale(rms: float) -> int:
-    """1 for an RMS :data:`INPUT_SCALE` times above 1 or more, -1 for one as far below (but not 0), else 0."""
-    return 1 if rms >= INPUT_SCALE else -1 if 0 < rms <= 1 / INPUT_SCALE else 0
+def _off_scale(rms: float, factor: float = INPUT_SCALE) -> int:
+    """1 for an RMS ``factor`` times above 1 or more, -1 for one as far below (but not 0), else 0."""
+    return 1 if rms >= factor else -1 if 0 < rms <= 1 / factor else 0
 
 
 def zero_loss(snap: Snapshot) -> bool:

@@ -133,6 +133,9 @@ class UnitRecorder:
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
         self.batch_tensors: dict[int, str] = {}
         """The batch's tensors to follow this step, by data pointer: their paths."""
+        self.batch_sizes: dict[int, str] = {}
+        """The same but the batch's last (its targets), by number of values: a copy made of one (``x / 255``) has as
+        many."""
         self.takers: dict[str, str] = {}
         """Per batch tensor (path), the first module that took it (or a view of it) as an input; the
         :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("taken", <path>)``."""
@@ -143,7 +146,7 @@ class UnitRecorder:
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
-        self.batch_tensors, self.takers, self.entry = {}, {}, None
+        self.batch_tensors, self.batch_sizes, self.takers, self.entry = {}, {}, {}, None
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -203,13 +206,15 @@ class _UnitHook:
 
 def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> None:
     """Note the module as the taker of the batch tensors among its inputs (by data pointer: a view starts where the
-    tensor does, a slice of its first columns too) and as the entry if it is the first to take a floating-point
-    tensor, with the sums of what it took: a model that slices its batch or scales it itself takes other values than
-    the batch holds."""
+    tensor does, a slice of its first columns too; else by size: a copy made of it, such as ``x / 255`` or a noised
+    ``x``, has as many values) and as the entry if it is the first to take a floating-point tensor, with the sums of
+    what it took: a model that slices its batch or scales it itself takes other values than the batch holds."""
     for arg in args:
         if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided or not arg.is_floating_point():
             continue  # a sparse tensor has no one address; integers are indices
         path = recorder.batch_tensors.get(arg.data_ptr())
+        if path is None or path in recorder.takers:
+            path = recorder.batch_sizes.get(arg.numel())
         if path is not None and path not in recorder.takers:
             recorder.takers[path] = name
             recorder.batch.add_vector(("taken", path), input_sums(counted_part(arg, copies_off_mesh=False)))

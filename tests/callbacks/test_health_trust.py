@@ -968,6 +968,31 @@ def forecaster(revin: bool) -> Fit:
     return Fit(Forecaster(revin), windows[:, :24], windows[:, 24:], lambda m, x, y: F.mse_loss(m(x), y))
 
 
+class Denoiser(nn.Module):
+    """A diffusion model's denoiser: its time embedding runs first, then its first convolution takes the noised
+    pixels, a copy made of the batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.time = nn.Sequential(nn.Linear(8, 4), nn.SiLU())
+        self.conv_in, self.conv_out = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        angles = t[:, None] / 10 ** torch.arange(4.0)
+        embedded = self.time(torch.cat([angles.sin(), angles.cos()], 1))
+        return self.conv_out(torch.relu(self.conv_in(x) + embedded[:, :, None, None]))
+
+
+def diffusion(pixels: torch.Tensor) -> Fit:
+    def noise_prediction(net: nn.Module, x0: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = torch.randint(0, 100, (len(x0),))
+        kept = torch.cos(t / 100 * math.pi / 2)[:, None, None, None]  # a cosine schedule's share of the signal
+        noise = torch.randn_like(x0)
+        return F.mse_loss(net(kept * x0 + (1 - kept**2).sqrt() * noise, t.float()), noise)
+
+    return Fit(Denoiser(), pixels, torch.zeros(len(pixels)), noise_prediction)
+
+
 def pixels(divides: bool) -> Fit:
     x = (seeded(256, 1, 8, 8).sigmoid() * 255).round()
     y = (x[:, 0, :4].mean((1, 2)) > x[:, 0, 4:].mean((1, 2))).long()
@@ -983,6 +1008,8 @@ def pixels(divides: bool) -> Fit:
         (partial(packed, 1000.0), [("input_scale", ("net.head.0",), 0)]),
         (partial(forecaster, True), []),
         (partial(forecaster, False), [("input_scale", ("net.layers.0",), 0), ("input_scale", ("net.layers.2",), 0)]),
+        (lambda: diffusion(pixels(False).x), [("input_scale", ("net.conv_in",), 0)]),
+        (lambda: diffusion(pixels(False).x / 127.5 - 1), []),
     ],
     ids=[
         "pixels the model divides by 255",
@@ -991,6 +1018,8 @@ def pixels(divides: bool) -> Fit:
         "raw columns",
         "a series the model normalises window by window",
         "a raw series",
+        "raw pixels noised by a diffusion model",
+        "pixels in [-1, 1] noised by a diffusion model",
     ],
 )
 def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
@@ -999,7 +1028,8 @@ def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
     # Before, the batch tensor's own RMS decided: pixels of RMS 150 that the model divides by 255 itself, and category
     # codes (RMS 8,000) beside standardised columns, were called unstandardised inputs; raw columns were named at
     # the first layer to run, the embedding that takes the codes. A forecaster that de-normalises its forecast (RevIN)
-    # was told to standardise its targets, which share the scale of the series it takes.
+    # was told to standardise its targets, which share the scale of the series it takes. A diffusion model's noised
+    # copy of raw pixels is followed to the convolution that takes it, past the time embedding that runs first.
     pl.seed_everything(0, verbose=False)
     found = [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=10) if f.check == "input_scale"]
     assert found == expected
