@@ -800,7 +800,9 @@ def _has_nan(state: State) -> bool:
 INPUT_SCALE = 100.0
 """``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
 ALIKE_SCALE = 10.0
-"""Targets whose RMS is within this factor of an input's share its scale (a series and its forecast)."""
+"""Two scales within this factor of each other are alike (a series and its forecast, a loss and the tensor it
+compares outputs with), and one within it of 1 is unit scale (what a model that rescales its inputs gives its first
+layer)."""
 SATURATED = 0.5
 """``saturation`` names a layer with at least this share of its outputs within 0.1 % of their bounds."""
 ROWS_SUM_TO_ZERO = 1e-3

@@ -134,8 +134,8 @@ class UnitRecorder:
         self.batch_tensors: dict[int, str] = {}
         """The batch's tensors to follow this step, by data pointer: their paths."""
         self.batch_sizes: dict[int, str] = {}
-        """The same but the batch's last (its targets), by number of values: a copy made of one (``x / 255``) has as
-        many."""
+        """The batch's tensors to follow but the last (the targets, which no layer takes), by number of values: a copy
+        made of one (``x / 255``, a noised ``x``) has as many."""
         self.takers: dict[str, str] = {}
         """Per batch tensor (path), the first module that took it (or a view of it) as an input; the
         :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("taken", <path>)``."""
