@@ -6,7 +6,7 @@ import math
 import operator
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hooks.core.select import label
@@ -32,6 +32,7 @@ __all__ = [
     "cut_off",
     "rounded_away",
     "dead_units",
+    "fed_by",
     "giant_steps",
     "gradient_spread",
     "nonfinite",
@@ -217,6 +218,23 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
             found.append(Evidence("dead_units", (label(name),), share, line, said))
         previous_dead, after_silent, weighted = is_dead, every, 0
     return found
+
+
+def fed_by(snap: Snapshot, layers: Collection[str]) -> frozenset[str]:
+    """The layers with weights that run right after one of ``layers`` (labels of dead units), up to the next layer
+    without weights: they take those units' zeros, so their weights get no gradient and do not move whatever the
+    learning rate (the convolution after a dead ReLU, and the batch norm after it), which ``dead_units`` explains."""
+    fed: set[str] = set()
+    feeding = False
+    for name in snap.order:
+        if label(name) in layers:
+            feeding = True
+        elif name in snap.leaves_with_params:
+            if feeding:
+                fed.add(name)
+        else:
+            feeding = False
+    return frozenset(fed)
 
 
 COPIES = 1e-4

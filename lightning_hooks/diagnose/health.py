@@ -27,6 +27,7 @@ from lightning_hooks.diagnose.checks import (
     copied_units,
     cut_off,
     dead_units,
+    fed_by,
     giant_steps,
     gradient_spread,
     input_scale,
@@ -191,26 +192,28 @@ class HealthTracker:
         # nothing to learn from, one skipped no gradient: how the layers learn is not seen
         unseen = LEARNING if skipped or snap.skipped_at_scale is not None or zero_loss(snap) else frozenset()
         judged = not stalled and not unseen
-        if "dead_units" in on:
-            immediate += self._dead_units(snap)
-            persistent += copied_units(snap)
+        dead = self._dead_units(snap) if "dead_units" in on else []
+        immediate += dead
+        persistent += copied_units(snap) if "dead_units" in on else []
+        # the layers dead units feed learn nothing, and `dead_units` names why
+        starved = skip | fed_by(snap, {e.layers[0] for e in dead})
         learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
-            spread = gradient_spread(snap, self.limits, skip, converged)
+            spread = gradient_spread(snap, self.limits, starved, converged)
             # a gradient that fades through saturated units: `saturation` names the cause
             persistent += [e for e in spread if e.check in on and not (squashed and e.group == FADING)]
         if "exploding_gradients" in on:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
             immediate += self._norm_growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
-        explained = squashed + (vanishing_layers(snap, self.limits, skip) if "vanishing_gradients" in on else [])
+        explained = squashed + (vanishing_layers(snap, self.limits, starved) if "vanishing_gradients" in on else [])
         if "update_ratio" in on and judged:
             clipped = [e for e in clipped_away(snap, self.limits, skip) if e.check in on]
             persistent += (
                 rounded_away(snap, skip)
                 or clipped
-                or update_ratio(snap, self.limits, skip, scheduled, converged, self._faded(snap), explained)
+                or update_ratio(snap, self.limits, starved, scheduled, converged, self._faded(snap), explained)
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)

@@ -1110,6 +1110,41 @@ def test_a_sparse_tensor_in_the_batch_is_judged_by_its_stored_values(tmp_path: P
     assert fit(tmp_path, SparseGraph(), steps=20, every=5) == []
 
 
+class Residual(nn.Module):
+    """A residual block, ``relu(x + bn2(conv2(relu(bn1(conv1(x))))))``; ``dead`` puts ``bn1``'s outputs at -10."""
+
+    def __init__(self, dead: bool) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+        self.conv2, self.bn2, self.relu2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+        if dead:
+            with torch.no_grad():
+                self.bn1.weight.fill_(0.01)
+                self.bn1.bias.fill_(-10.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu2(x + self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x))))))
+
+
+def test_the_layers_dead_units_feed_are_not_told_they_learn_too_little(tmp_path: Path) -> None:
+    # The second block's first ReLU is dead: the convolution after it takes zeros, and its weights get no gradient.
+    # Before, it was named too, as a vanishing gradient ("try residual connections") and a learning rate too low.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        *[Residual(dead=i == 1) for i in range(3)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+    x = seeded(512, 1, 8, 8)
+    y = (x[:, 0, :4].mean((1, 2)) > 0).long() + (x[:, 0, :, :4].mean((1, 2)) > 0).long()
+    found = fit(
+        tmp_path, Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.05), steps=100, every=5
+    )
+    assert [(f.check, f.layers) for f in found] == [("dead_units", ("net.2.relu1",))]
+
+
 class Excite(nn.Module):
     """A squeeze-and-excitation gate with a bottleneck of four ReLU units (RegNet's, EfficientNet's)."""
 
