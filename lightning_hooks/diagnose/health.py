@@ -195,8 +195,11 @@ class HealthTracker:
         dead = self._dead_units(snap) if "dead_units" in on else []
         immediate += dead
         persistent += copied_units(snap) if "dead_units" in on else []
-        # the layers dead units feed learn nothing, and `dead_units` names why
-        starved = skip | fed_by(snap, {e.layers[0] for e in dead})
+        grown = self._activation_growth(snap, settling, learning) if "activation_growth" in on else []
+        # The layers dead units feed learn nothing, and a layer whose output grew a thousand-fold has weights too large
+        # for its steps to move: `dead_units` and `activation_growth` name why.
+        large = {e.layers[0] for e in grown}
+        starved = skip | fed_by(snap, {e.layers[0] for e in dead}) | {n for n in snap.order if label(n) in large}
         learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:
@@ -217,8 +220,7 @@ class HealthTracker:
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)
-        if "activation_growth" in on:
-            persistent += self._activation_growth(snap, settling, learning)
+        persistent += grown
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:

@@ -1145,6 +1145,17 @@ def test_the_layers_dead_units_feed_are_not_told_they_learn_too_little(tmp_path:
     assert [(f.check, f.layers) for f in found] == [("dead_units", ("net.2.relu1",))]
 
 
+def test_a_layer_whose_weights_are_far_too_large_is_named_once_for_its_growth(tmp_path: Path) -> None:
+    # One layer's weights x1e4: its output grows 1e4-fold, and its steps barely move such weights. Before, it was
+    # also named as a vanishing gradient ("try residual connections"), beside the growth that explains both.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[2].weight.mul_(1e4)
+    found = fit(tmp_path, classification(net, lr=1e-4), steps=30)
+    assert [(f.check, f.layers[0]) for f in found] == [("activation_growth", "net.2")]
+
+
 class Excite(nn.Module):
     """A squeeze-and-excitation gate with a bottleneck of four ReLU units (RegNet's, EfficientNet's)."""
 
