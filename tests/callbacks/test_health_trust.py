@@ -1022,7 +1022,7 @@ def pixels(divides: bool) -> Fit:
         "pixels in [-1, 1] noised by a diffusion model",
     ],
 )
-def test_inputs_are_judged_by_what_the_first_layer_takes_of_them(
+def test_inputs_are_judged_by_what_the_layer_taking_them_receives(
     tmp_path: Path, build: Callable[[], Fit], expected: list[tuple[str, tuple[str, ...], int]]
 ) -> None:
     # Before, the batch tensor's own RMS decided: pixels of RMS 150 that the model divides by 255 itself, and category
