@@ -23,6 +23,7 @@ from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
+from lightning_hooks.diagnose.checks import STEPLESS, stepless
 from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
 from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
@@ -228,6 +229,7 @@ class HealthMonitor(StatsCallback):
         super()._attach(trainer, pl_module, modules)
         self._tracker = HealthTracker(self.checks, self.thresholds)
         self._checked_until = -1
+        self._stepped_at, self._stepless = -1, 0  # the global step at the last batch, and batches since it changed
         leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
         eager = {id(m) for _, m in self._eager_modules}
         self._leaves = [(name, m) for name, m in leaves if id(m) in eager]
@@ -414,14 +416,32 @@ class HealthMonitor(StatsCallback):
         new = self._tracker.update(snap)
         if self._ring is not None:
             self._ring.halfway = self._tracker.halfway()
+        self._publish(trainer, new, step)
+        affected = self._tracker.affected
+        self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
+
+    def _publish(self, trainer: pl.Trainer, new: list[HealthFinding], step: int) -> None:
+        """Warn each new finding once, and log the table of findings when there is one."""
         for finding in new:
             rank_zero_warn(warning(finding))
         if new:
             self._sink.table(
                 trainer, TABLE_TAG, COLUMNS, rows(self.findings), step, caption=f"HealthMonitor, step {step}"
             )
-        affected = self._tracker.affected
-        self._sink.scalars(trainer, {f"health/{check}": float(affected.get(check, 0)) for check in self.checks}, step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if pl_module.automatic_optimization or "no_learning" not in self.checks or not self._enabled:
+            return  # Lightning steps the optimizer itself (or skips a batch whose step returned None: no_backward)
+        step = trainer.global_step
+        self._stepless = self._stepless + 1 if step == self._stepped_at else 0
+        self._stepped_at = step
+        if self._stepless and self._stepless % STEPLESS == 0:  # said once, then its last step kept up to date
+            with self._sink.gathered(trainer):
+                self._publish(trainer, self._tracker.record(stepless(self._stepless, step)), step)
 
     def _fingerprints(self, fetched: Fetched) -> dict[str, tuple[float, ...]]:
         """Per leaf of :meth:`_add_ungraded`, its weights' fingerprint."""

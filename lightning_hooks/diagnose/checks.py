@@ -23,6 +23,8 @@ __all__ = [
     "saturated_layers",
     "vanishing_layers",
     "silent_units",
+    "stepless",
+    "STEPLESS",
     "SHOWN_LAYERS",
     "Snapshot",
     "Thresholds",
@@ -904,6 +906,21 @@ def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         f"`.item()`, `torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
     )
     return [Evidence("no_learning", layers, 0.0, 0.0, said)]
+
+
+STEPLESS = 100
+"""Training batches in a row with no optimizer step (under manual optimization) before ``no_learning`` names it."""
+
+
+def stepless(batches: int, step: int) -> Evidence:
+    """No optimizer step in ``batches`` training batches in a row, the global step staying at ``step``: under manual
+    optimization, ``optimizer.step()`` is never called, and the weights never change."""
+    said = (
+        f"no optimizer step ran in the last {batches} training batches (the global step stayed at {step}), so the "
+        f"weights never change: under manual optimization, call `optimizer.step()` after `self.manual_backward(loss)` "
+        f"(`optimizer = self.optimizers()`), once per batch or once per batches accumulated."
+    )
+    return Evidence("no_learning", ("root",), float(batches), float(STEPLESS), said, step)
 
 
 def no_backward(snap: Snapshot, since: int) -> Evidence:

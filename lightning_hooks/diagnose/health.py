@@ -299,6 +299,11 @@ class HealthTracker:
         self._lr_last = dict(snap.lrs)
         return scheduled
 
+    def record(self, e: Evidence) -> list[HealthFinding]:
+        """``e``, found outside a logging step's checks, as a finding: new, or the extension of its earlier one."""
+        step = 0 if e.step is None else e.step
+        return self._record(e, step, step)
+
     def _record(self, e: Evidence, first: int, last: int) -> list[HealthFinding]:
         key = _key(e)
         self._touched.add((e.check, e.layers))

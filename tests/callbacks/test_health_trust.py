@@ -1156,6 +1156,38 @@ def test_a_layer_whose_weights_are_far_too_large_is_named_once_for_its_growth(tm
     assert [(f.check, f.layers[0]) for f in found] == [("activation_growth", "net.2")]
 
 
+class ManualFit(Fit):
+    """A classifier under manual optimization whose ``training_step`` calls ``optimizer.step()`` or, the bug, not."""
+
+    def __init__(self, steps: bool) -> None:
+        x = seeded(128, 8)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        super().__init__(net, x, (x[:, 0] > 0).long(), lambda m, x, y: F.cross_entropy(m(x), y))
+        self.automatic_optimization, self.steps = False, steps
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss(self.net, *batch)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if self.steps:
+            optimizer.step()
+        return loss
+
+
+@pytest.mark.parametrize("steps", [False, True], ids=["no optimizer.step()", "with it"])
+def test_manual_optimization_that_never_steps_the_optimizer_is_named(tmp_path: Path, steps: bool) -> None:
+    # Without optimizer.step() the global step stays at 0: the monitor, which checks at optimizer steps, checked once
+    # and said nothing while 112 batches went by and the weights never changed.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, ManualFit(steps), steps=1_000, max_epochs=7)  # 16 batches an epoch
+    if steps:
+        assert found == []
+    else:
+        assert [(f.check, f.layers, f.step) for f in found] == [("no_learning", ("root",), 0)]
+        assert "call `optimizer.step()` after `self.manual_backward(loss)`" in found[0].message
+
+
 class Excite(nn.Module):
     """A squeeze-and-excitation gate with a bottleneck of four ReLU units (RegNet's, EfficientNet's)."""
 
