@@ -860,9 +860,12 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         if taker is None and not target and snap.entry is not None:
             taker, took = snap.entry
         side = _off_scale(rms)
-        if side and _off_scale(took, ALIKE_SCALE) != side:
+        if not side:
+            continue
+        if _off_scale(took, ALIKE_SCALE) != side:  # the model brought it (near) to unit scale itself
             rescaled.append(rms)
-        if not side or _off_scale(took, ALIKE_SCALE) != side or taker in snap.normalizers:
+            continue
+        if taker in snap.normalizers:
             continue
         if target and any(max(rms, r) < ALIKE_SCALE * min(rms, r) for r in rescaled):
             continue
