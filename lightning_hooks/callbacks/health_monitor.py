@@ -21,7 +21,7 @@ from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient, loss_scale
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.nested import named_tensors
-from lightning_hooks.core.select import label, trainable_parameters
+from lightning_hooks.core.select import is_layer, label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
 from lightning_hooks.diagnose.checks import STEPLESS, stepless
 from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
@@ -58,7 +58,8 @@ GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio",
 class HealthMonitor(StatsCallback):
     """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
 
-    Every ``log_every_n_steps`` optimizer steps it gathers the outputs of each selected leaf module,
+    Every ``log_every_n_steps`` optimizer steps it gathers the outputs of each selected leaf module
+    (:func:`~lightning_hooks.core.select.is_layer`),
     the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
     ranks, and runs its checks (every rank computes them, rank zero writes):
 
@@ -230,7 +231,7 @@ class HealthMonitor(StatsCallback):
         self._tracker = HealthTracker(self.checks, self.thresholds)
         self._checked_until = -1
         self._stepped_at, self._stepless = -1, 0  # the global step at the last batch, and batches since it changed
-        leaves = [(name, m) for name, m in modules if next(m.children(), None) is None]
+        leaves = [(name, m) for name, m in modules if is_layer(name, m)]
         eager = {id(m) for _, m in self._eager_modules}
         self._leaves = [(name, m) for name, m in leaves if id(m) in eager]
         compiled = [label(name) for name, m in leaves if id(m) not in eager]

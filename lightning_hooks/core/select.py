@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = [
     "ModuleSelector",
     "is_compile_wrapper",
+    "is_layer",
     "label",
     "named_parameters",
     "output_label",
@@ -184,6 +186,27 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def is_compile_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is the wrapper ``torch.compile`` puts around a module (``OptimizedModule``)."""
     return isinstance(getattr(module, _COMPILE_WRAPPER, None), nn.Module)
+
+
+def is_layer(name: str, module: nn.Module) -> bool:
+    """Whether ``module`` computes one layer of the forward: it has no submodules, or only the parametrizations of its
+    weights (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm``), or it is an
+    ``nn.MultiheadAttention``, which hands its ``out_proj``'s weights to the attention function instead of calling it.
+    A parametrization's own modules compute weights, not outputs of the model.
+
+    Example::
+
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> model = nn.Sequential(weight_norm(nn.Linear(2, 3)), nn.ReLU())
+        >>> [name for name, m in model.named_modules() if is_layer(name, m)]
+        ['0', '1']
+        >>> is_layer("attention", nn.MultiheadAttention(3, 1))
+        True
+    """
+    if "parametrizations" in name.split("."):
+        return False
+    owned = {id(module.parametrizations)} if parametrize.is_parametrized(module) else set()
+    return isinstance(module, nn.MultiheadAttention) or all(id(m) in owned for m in module.children())
 
 
 def trainable_parameters(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Parameter]]:

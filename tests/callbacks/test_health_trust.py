@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import HealthFinding, HealthMonitor
@@ -1843,3 +1844,44 @@ def test_gradient_clipping_that_shrinks_every_sgd_step_is_named(
         assert found[0].value >= 100
         if algorithm == "norm":  # the factor is the norm before clipping over the clip
             assert found[0].value == pytest.approx(norm / clip, rel=0.5)
+
+
+class PaddedAttention(nn.Module):
+    """Token embeddings, an ``nn.MultiheadAttention`` that leaves out the padding (token 0), and a head on the first
+    position's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.attention, self.head = (
+            nn.Embedding(16, 8),
+            nn.MultiheadAttention(8, 2, batch_first=True),
+            nn.Linear(8, 2),
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(self.attention(x, x, x, key_padding_mask=tokens == 0)[0][:, 0])
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["some sequences all padding", "none"])
+def test_nan_from_attention_over_a_sequence_that_is_all_padding_is_named_at_the_attention(
+    tmp_path: Path, empty: bool
+) -> None:
+    # An nn.MultiheadAttention hands its `out_proj`'s weights to the attention function and never calls it, so having
+    # a child it was no leaf and went unwatched: the NaN of a row with every key masked was named at the head.
+    pl.seed_everything(0, verbose=False)
+    tokens = torch.randint(1, 16, (64, 6), generator=torch.Generator().manual_seed(0))
+    tokens[::2, 0 if empty else 1 :] = 0
+    model = Fit(PaddedAttention(), tokens, tokens[:, 0] % 2, lambda m, x, y: F.cross_entropy(m(x), y))
+    findings = [(f.check, f.layers[0], f.step) for f in fit(tmp_path, model, steps=6)]
+    assert findings == ([("nonfinite", "net.attention", 0)] if empty else [])
+
+
+def test_a_layer_with_parametrized_weights_is_judged_by_its_own_output(tmp_path: Path) -> None:
+    # weight_norm (torch.nn.utils.parametrizations) makes the parametrization a child of its layer: the layer was no
+    # leaf and went unwatched, and the parametrization's output, the weight, was taken for a layer's output. Raw inputs
+    # were named at the ReLU after the first layer, with an activation growth there.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), weight_norm(nn.Linear(16, 3)))
+    findings = fit(tmp_path, classification(net, scale=1e3, lr=1e-6), steps=6)
+    assert [(f.check, f.layers, f.step) for f in findings] == [("input_scale", ("net.0",), 0)]
