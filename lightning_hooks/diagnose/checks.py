@@ -745,7 +745,10 @@ def giant_steps(snap: Snapshot, skip: frozenset[str] = frozenset()) -> list[Evid
 
 
 def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """NaN/Inf in a layer's output (the first in model order), else in a parameter gradient, or in a step's loss.
+    """NaN/Inf in a layer's output (the first in model order; said to come from its weights when they are NaN/Inf
+    too, written by an earlier step), else in a parameter gradient (the layer nearest the output: the backward made
+    them there and every layer before it gets them; not with the step's loss NaN/Inf, which made them), or in a step's
+    loss.
 
     Gradients that a ``GradScaler`` found overflowing, and skipped, are fp16 loss scaling at work while its scale
     stays at least 1 (``snap.skipped_at_scale``): it halves the scale and goes on. Below 1 they overflow unscaled.
@@ -755,32 +758,41 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     gradients, is not named: it is a mask (logits of invalid actions filled with ``-inf``) that the loss handles.
     """
     bad_losses = [step for step, loss in snap.losses if not math.isfinite(loss)]
-    layers: list[str] = []
     scale = snap.skipped_at_scale
     routine = scale is not None and scale >= 1  # fp16 loss scaling at work
-    tables = [("output", snap.activations), *([] if routine else [("parameter gradient", snap.grads)])]
     # An output's Inf (or a square above float32's range) with a finite loss and gradients is a mask: invalid
     # actions or classes filled with -inf, or the dtype's lowest value, before a softmax that makes them 0.
     spread = bad_losses or any(s.nonfinite for s in snap.grads.values())
-    for what, table in tables:
-        layers = [  # execution order
-            name
-            for name in snap.order
-            if name in table and table[name].nonfinite > 0 and (what != "output" or spread or _has_nan(table[name]))
-        ]
-        if layers:
-            count = float(len(layers))
-            said = (
-                f"the {what} of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
+    outputs = [  # execution order
+        name
+        for name, state in ((n, snap.activations.get(n)) for n in snap.order)
+        if state is not None and state.nonfinite > 0 and (spread or _has_nan(state))
+    ]
+    # The backward runs from the loss: what it made NaN/Inf in a layer, every layer before it gets. With the step's
+    # loss NaN/Inf, the loss made them.
+    grads = [
+        name
+        for name in reversed(snap.order)
+        if name in snap.grads and snap.grads[name].nonfinite > 0 and not routine and snap.step not in bad_losses
+    ]
+    if outputs:
+        layers, count = outputs, float(len(outputs))
+        said = f"the output of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
+        if not math.isfinite(snap.weights.get(layers[0], 0.0)):
+            said += (
+                ", and so do its weights: an optimizer step before this one applied NaN/Inf gradients to them, and "
+                "every output since carries them (the finding's first step is the first whose loss was NaN/Inf)"
             )
-            if scale is not None and what != "output":
-                said += (
-                    f", and the GradScaler's skips have brought its scale down to {scale:.3g}: they overflow unscaled"
-                )
-            break
-    else:
-        if not bad_losses and snap.guard is None:
-            return []
+    elif grads:
+        layers, count = grads, float(len(grads))
+        said = (
+            f"the parameter gradient of `{label(layers[0])}` holds NaN/Inf values (the nearest the output of "
+            f"{len(layers)}) while every layer's output was finite: the backward made them in `{label(layers[0])}` or "
+            f"between it and the next layer"
+        )
+        if scale is not None:
+            said += f", and the GradScaler's skips have brought its scale down to {scale:.3g}: they overflow unscaled"
+    elif bad_losses or snap.guard is not None:
         count = float(len(bad_losses))
         layers = [] if snap.guard else list(snap.executed[-1:])  # the output layer: the loss is computed from it
         said = (
@@ -790,6 +802,8 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             if bad_losses
             else "a layer made NaN/Inf values"
         )
+    else:
+        return []
     named = [label(n) for n in layers]
     note = ""
     if snap.guard is not None:
@@ -893,16 +907,25 @@ def zero_loss(snap: Snapshot) -> bool:
     return any(step == snap.step and loss == 0 for step, loss in snap.losses)
 
 
-def no_learning(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+def no_learning(snap: Snapshot, limits: Thresholds, zero_from_start: bool = False) -> list[Evidence]:
     """Every parameter gradient exactly zero: nothing learns. Named after the output layer, where the gradient
     should have entered. Not when the step's loss is exactly zero too: a hinge or margin loss whose batch meets
-    every margin has nothing left to learn from it."""
+    every margin has nothing left to learn from it; unless the loss was exactly zero at every step from step 0
+    (``zero_from_start``), before the model learnt anything: a loss weighted by 0, or one comparing the output with
+    itself."""
     grads = [s for s in snap.grads.values() if s.numel]
     if not snap.gradless and (not grads or any(s.abs_sum != 0 or s.nonfinite for s in grads)):
         return []
-    if zero_loss(snap):
-        return []
     layers = tuple(label(n) for n in snap.executed[-1:]) or ("root",)
+    if zero_loss(snap):
+        if not zero_from_start:
+            return []
+        said = (
+            f"the loss was exactly 0 at every step from step 0 to step {snap.step}, before the model learnt anything, "
+            f"so every gradient is zero and nothing learns: look for a loss weighted by 0, one that compares the "
+            f"output with itself, or a mask that leaves out every element."
+        )
+        return [Evidence("no_learning", layers, 0.0, 0.0, said, step=0)]
     said = (
         f"every parameter gradient is exactly zero or missing at step {snap.step}: nothing learns; look for an "
         f"activation over one unit (a softmax over a single output is always 1), a detached tensor (`.detach()`, "

@@ -162,6 +162,7 @@ class HealthTracker:
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
+        self._zero_losses: int | None = 0  # steps from step 0 whose loss was exactly zero, None after any other
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
@@ -187,7 +188,12 @@ class HealthTracker:
         settling, learning, converged = self._settle(snap)
         # no backward and no gradient in the logging step: `training_step` returned None, skipping its batch
         skipped = snap.gradless and not snap.backward
-        stalled = [] if skipped else no_learning(snap, self.limits)  # then no layer learns less than another
+        if self._zero_losses is not None:  # the losses from step 0, while every one is exactly zero
+            starts = not self._zero_losses and snap.losses and snap.losses[0][0] != 0
+            zero = all(loss == 0 for _, loss in snap.losses)
+            self._zero_losses = None if starts or not zero else self._zero_losses + len(snap.losses)
+        from_start = self._zero_losses is not None and self._zero_losses > SETTLED
+        stalled = [] if skipped else no_learning(snap, self.limits, from_start)  # then none learns less than another
         # a step the GradScaler skipped has overflowing gradients and no update, one with a loss of exactly zero
         # nothing to learn from, one skipped no gradient: how the layers learn is not seen
         unseen = LEARNING if skipped or snap.skipped_at_scale is not None or zero_loss(snap) else frozenset()

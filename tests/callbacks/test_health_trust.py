@@ -390,14 +390,15 @@ def spread_out(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 
 def test_gradients_that_overflow_whatever_the_loss_scale_are_named_once_it_falls_below_1(tmp_path: Path) -> None:
     # Every step's gradient is NaN, whatever the scale: the scaler skips each step and halves its scale, 65,536 -> 0.5
-    # in 17 steps (step 16); from there the gradient is named as a fault, in the first layer it reaches.
+    # in 17 steps (step 16); from there the gradient is named as a fault, at `net.2`, whose outputs the root was
+    # taken of: the backward makes the NaN there, and every layer before it gets it (`net.0` was named before).
     pl.seed_everything(0, verbose=False)
     model = classification(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 3)))
     model.loss = spread_out
     scales = ScaleLog()
     found = fit(tmp_path, model, steps=24, every=2, also=[scales], plugins=[fp16()])
     assert scales.scales[16] == 0.5
-    assert [(f.check, f.layers[0], f.step) for f in found] == [("nonfinite", "net.0", 16)]
+    assert [(f.check, f.layers[0], f.step) for f in found] == [("nonfinite", "net.2", 16)]
     assert "the GradScaler's skips have brought its scale down to" in found[0].message  # as of its last step
 
 
@@ -1885,3 +1886,31 @@ def test_a_layer_with_parametrized_weights_is_judged_by_its_own_output(tmp_path:
     net = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), weight_norm(nn.Linear(16, 3)))
     findings = fit(tmp_path, classification(net, scale=1e3, lr=1e-6), steps=6)
     assert [(f.check, f.layers, f.step) for f in findings] == [("input_scale", ("net.0",), 0)]
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [lambda m, x, y: 0.0 * F.cross_entropy(m(x), y), lambda m, x, y: F.mse_loss(m(x), m(x))],
+    ids=["weighted by 0", "the output against itself"],
+)
+def test_a_loss_exactly_zero_from_the_first_step_is_no_learning(tmp_path: Path, loss: Loss) -> None:
+    # Before, a loss of exactly 0 was taken for a hinge loss whose every margin the batch meets, at every step, and a
+    # model that never learnt anything made no finding.
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    model.loss = loss
+    findings = fit(tmp_path, model, steps=20)
+    assert [(f.check, f.layers, f.step) for f in findings] == [("no_learning", ("net.4",), 0)]
+    assert "exactly 0 at every step from step 0" in findings[0].message
+
+
+@pytest.mark.parametrize("at", [3, 5], ids=["between logging steps", "at a logging step"])
+def test_weights_a_nan_step_wrote_are_told_apart_from_a_nan_the_forward_made(tmp_path: Path, at: int) -> None:
+    # A NaN loss between logging steps (every 5) writes NaN into every weight, and by the next logging step every
+    # output is NaN: the first layer's output was named as if it had made them.
+    pl.seed_everything(0, verbose=False)
+    model = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    model.loss = lambda m, x, y: F.cross_entropy(m(x), y) * (math.nan if model.global_step == at else 1.0)
+    nonfinite = [f for f in fit(tmp_path, model, steps=6) if f.check == "nonfinite"]
+    assert [(f.layers[0], f.step) for f in nonfinite] == [("net.0" if at == 3 else "net.4", at)]
+    assert ("and so do its weights: an optimizer step before this one" in nonfinite[0].message) == (at == 3)
