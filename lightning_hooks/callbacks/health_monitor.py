@@ -314,6 +314,7 @@ class HealthMonitor(StatsCallback):
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._watch_outputs:
             self._units.prepend = self._tensor_parallel
+            self._units.activations = not self._tensor_parallel  # a shard's inputs are not its maker's units
             self._units.attach(self._leaves, self._step_handles)
         manual = not pl_module.automatic_optimization  # Lightning zeroes `.grad` itself otherwise
         if manual and self._stepped_before and not self._carry and "exploding_gradients" in self.checks:
@@ -394,6 +395,7 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
         self._units.last_squashed = None  # a forward that no backward followed: not kept past the step
+        self._units.made = {}  # nor its autograd nodes
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         scale = loss_scale(self._scaler)  # as updated after the step
         if self._overflow and scale is not None:
@@ -408,7 +410,7 @@ class HealthMonitor(StatsCallback):
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
         fetched = self._batch.fetch(
-            self._across(trainer, {"units", "sat", "input", "taken", "entry", *sharded}, per_unit)
+            self._across(trainer, {"units", "fed", "sat", "input", "taken", "entry", *sharded}, per_unit)
         )
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._carry, self._missing = [], {}  # the zero_grad hooks' sign copies are not kept to the next logging step
@@ -528,6 +530,9 @@ class HealthMonitor(StatsCallback):
             )
             if per_unit:
                 units.setdefault(layer, values)
+        for key, values in vectors.items():  # a layer's units after a functional activation
+            if key[0] == "fed" and key[1] in outputs:
+                units.setdefault(key[1], values)
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for i, names in enumerate(self._grad_names):
             values, n = fetched.vectors[("grads", str(i))], len(names)
@@ -603,6 +608,7 @@ class HealthMonitor(StatsCallback):
             sigmoid_misfit={layer: misfit / size for layer, (_, size, misfit) in output_grads.items()},
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
+            activated={name: ops for name, ops in self._units.activated.items() if name in units},
             grads={layer: combine(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,

@@ -87,6 +87,8 @@ class Snapshot:
     order: Sequence[str]  # the model's module order
     activations: dict[str, State] = field(default_factory=dict)  # of leaf modules
     units: dict[str, list[float]] = field(default_factory=dict)  # per output unit, its sum of squares (0: dead)
+    activated: dict[str, str] = field(default_factory=dict)  # layers whose units are counted after the functional
+    # operations (``F.relu``) that took their output to the next layer: those operations
     grads: dict[str, State] = field(default_factory=dict)  # each layer's parameter gradients pooled
     ratios: dict[str, float] = field(default_factory=dict)  # ||Δw|| / ||w|| per layer
     weights: dict[str, float] = field(default_factory=dict)  # ||w|| per layer
@@ -178,18 +180,17 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
     tracker's window; of this step by default; at the model's output, :data:`OUTPUT_DEAD`), and at least
     :data:`MIN_DEAD` of them or all. A layer right after a dead one (a pooling after a dead ReLU) carries the same dead
     units on and is not named again; a layer with weights ends the chain, except after a layer whose every unit is
-    silent: one layer with weights fed only zeros gives out its bias alone, so a layer right after it whose every unit
-    is silent too (the dropout after a transformer MLP's output projection, whose bias starts at zero) is not named
-    again either."""
+    silent: layers with weights fed only zeros give out their biases alone, so the next layer with dead units is not
+    named again either (the dropout after a transformer MLP's output projection, whose bias starts at zero; the ReLU
+    after the convolution and batch norm that a dead ReLU feeds). A layer whose units are counted after a functional
+    activation (:attr:`Snapshot.activated`) is named with it."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False  # the last layer without weights was dead, and no layer with weights ran since
-    after_silent = False  # the last layer without weights had every unit silent, and one layer with weights at most
-    weighted = 0  # layers with weights since the last layer without
+    after_silent = False  # the last layer with units counted had every unit silent
     for name in snap.order:
         if name in snap.leaves_with_params:
             previous_dead = False
-            weighted += 1
         flags = silent.get(name)
         if not flags:
             continue
@@ -199,10 +200,11 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
         output = bool(snap.executed) and name == snap.executed[-1]
         line = min(limits.dead_fraction, OUTPUT_DEAD) if output else limits.dead_fraction
         is_dead = share >= line and (dead >= MIN_DEAD or every)
-        if is_dead and not previous_dead and not (every and after_silent and weighted <= 1):
+        if is_dead and not previous_dead and not after_silent:
+            after = f" after `{snap.activated[name]}` (in forward)" if name in snap.activated else ""
             said = (
-                f"{dead} of {len(flags)} output units of `{label(name)}` were zero for every sample of every batch "
-                f"checked ({share:.0%}): they pass no gradient back; "
+                f"{dead} of {len(flags)} output units of `{label(name)}`{after} were zero for every sample of every "
+                f"batch checked ({share:.0%}): they pass no gradient back; "
             )
             if output:
                 said += (
@@ -210,15 +212,17 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
                     "zero; remove it (`cross_entropy` and most losses take the raw outputs)."
                 )
             elif every:
+                where = "its outputs are" if after else "its input is"
+                which = "its weights" if after else "the layer before it"
                 said += (
-                    "its input is never positive, so nothing before it learns either: look at the layer before it, "
-                    "for all-zero weights (a zero initialisation) or a large negative bias (set so, or driven there "
-                    "by a learning rate too high)."
+                    f"{where} never positive, so nothing before it learns either: look at {which}, for all-zero "
+                    f"weights (a zero initialisation) or a large negative bias (set so, or driven there by a learning "
+                    f"rate too high)."
                 )
             else:
                 said += "try a lower learning rate, LeakyReLU or GELU, or a normalization layer before the activation."
             found.append(Evidence("dead_units", (label(name),), share, line, said))
-        previous_dead, after_silent, weighted = is_dead, every, 0
+        previous_dead, after_silent = is_dead, every
     return found
 
 

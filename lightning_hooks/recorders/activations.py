@@ -142,11 +142,21 @@ class UnitRecorder:
         self.entry: str | None = None
         """While batch tensors are followed, the first module to take any floating-point tensor; the
         :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("entry", <module>)``."""
+        self.made: dict[Any, tuple[str, int, bool]] = {}
+        """This step's module outputs by their autograd node: the module, its unit count, and whether its own units
+        are counted (a module without weights)."""
+        self.activations = True
+        """Count the units of modules with weights after their functional activations (see :attr:`activated`)."""
+        self.activated: dict[str, str] = {}
+        """Per module with weights whose output reached a linear or convolution layer through functional operations
+        only (``F.relu``): those operations, nearest the module first. The sums of squares of the units that layer
+        took go under ``("fed", <module>)``: they are the module's units after its activation."""
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry = {}, {}, {}, None
+        self.made, self.activated = {}, {}
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -185,6 +195,17 @@ class _UnitHook:
             _follow_batch(recorder, self.name, args)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
             _squashed(recorder, self.name, module, output)
+        if (
+            recorder.activations
+            and not self.units
+            and isinstance(module, _UNIT_INPUTS)
+            and args
+            and isinstance(args[0], torch.Tensor)
+        ):
+            _activated(recorder, module, args[0])
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and output.dim() >= 2:
+            width = output.shape[_unit_axis(module, output)]
+            recorder.made[output.grad_fn] = (self.name, width, self.units)
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -221,6 +242,47 @@ def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> N
         if recorder.entry is None and arg.numel():
             recorder.entry = name
             recorder.batch.add_vector(("entry", name), input_sums(counted_part(arg, copies_off_mesh=False)))
+
+
+_UNIT_INPUTS = (nn.Linear, nn.modules.conv._ConvNd)
+"""The layers whose input units are read as the units of the module that made them (each a column of weights)."""
+FUNCTIONAL_DEPTH = 4
+"""How many autograd nodes back from a layer's input :func:`_activated` looks for the module that made it."""
+
+
+def _unit_axis(module: nn.Module, t: torch.Tensor) -> int:
+    """The dimension of a module's input or output that holds its units: a linear layer's last, else
+    :func:`unit_dim`'s."""
+    return t.dim() - 1 if isinstance(module, nn.Linear) else unit_dim(t, channels_first(module))
+
+
+def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:
+    """When ``x``, a linear or convolution layer's input, was made from a module with weights by functional
+    operations only (``F.relu(self.fc1(x))``, no module between them to count its units), sum the squares of its
+    units under ``("fed", <that module>)``: a unit zero for every sample is that module's unit, dead after its
+    activation. Not a batch tensor (no autograd node), nor a module's output as it came."""
+    if not x.is_floating_point() or x.dim() < 2 or x.grad_fn is None or x.grad_fn in recorder.made:
+        return
+    frontier, ops = [x.grad_fn], [x.grad_fn.name()]
+    for _ in range(FUNCTIONAL_DEPTH):
+        parents = [p for node in frontier for p, _ in node.next_functions if p is not None][:8]
+        maker = next((recorder.made[p] for p in parents if p in recorder.made), None)
+        if maker is not None:
+            break
+        frontier = parents
+        ops += [p.name() for p in parents[:1]]
+    else:
+        return
+    name, width, counted = maker
+    dim = _unit_axis(module, x)
+    if counted or x.shape[dim] != width:  # a module without weights counts its own units; else not its units
+        return
+    x = counted_part(x.detach(), copies_off_mesh=False)
+    squares = (x.float() if x.dtype in _WIDENED else x).square()
+    key = ("fed", name)
+    recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
+    recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(width, 1)
+    recorder.activated.setdefault(name, ", ".join(op.removesuffix("Backward0").lower() for op in reversed(ops)))
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)

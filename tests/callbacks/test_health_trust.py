@@ -1914,3 +1914,53 @@ def test_weights_a_nan_step_wrote_are_told_apart_from_a_nan_the_forward_made(tmp
     nonfinite = [f for f in fit(tmp_path, model, steps=6) if f.check == "nonfinite"]
     assert [(f.layers[0], f.step) for f in nonfinite] == [("net.0" if at == 3 else "net.4", at)]
     assert ("and so do its weights: an optimizer step before this one" in nonfinite[0].message) == (at == 3)
+
+
+class FunctionalMLP(nn.Module):
+    """Linear layers with ReLUs applied in forward (``F.relu``), no module between them; ``bias`` fills ``fc2``'s."""
+
+    def __init__(self, bias: float) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 3)
+        with torch.no_grad():
+            self.fc2.bias.fill_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class FunctionalCNN(nn.Module):
+    """Convolutions and batch norms with ReLUs applied in forward; ``bias`` fills ``bn1``'s."""
+
+    def __init__(self, bias: float) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2, self.head = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 3)
+        with torch.no_grad():
+            self.bn1.bias.fill_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x.view(-1, 1, 4, 2))))
+        return self.head(F.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("build", "bias", "expected"),
+    [
+        (FunctionalMLP, -10.0, [("dead_units", ("net.fc2",), 0)]),
+        (FunctionalMLP, 0.0, []),
+        (FunctionalCNN, -10.0, [("dead_units", ("net.bn1",), 0)]),
+        (FunctionalCNN, 0.0, []),
+    ],
+    ids=["mlp, dead", "mlp", "cnn, dead", "cnn"],
+)
+def test_dead_units_behind_a_relu_applied_in_forward_are_named_at_the_layer_they_come_from(
+    tmp_path: Path, build: Callable[[float], nn.Module], bias: float, expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # With no module between the layers no unit was counted, and a wholly dead hidden layer made no finding (the MLP)
+    # or was told it learns too little at the layer after it (the CNN). In the CNN, the ReLU after bn2 takes the
+    # biases alone and is dead too: not named again.
+    pl.seed_everything(0, verbose=False)
+    findings = fit(tmp_path, classification(build(bias), lr=0.01), steps=20)
+    assert [(f.check, f.layers, f.step) for f in findings] == expected
+    assert all("after `relu` (in forward)" in f.message for f in findings)
