@@ -530,9 +530,17 @@ class HealthMonitor(StatsCallback):
             )
             if per_unit:
                 units.setdefault(layer, values)
-        for key, values in vectors.items():  # a layer's units after a functional activation
-            if key[0] == "fed" and key[1] in outputs:
-                units.setdefault(key[1], values)
+        activated = {}  # a layer's units after a functional activation
+        for key, values in vectors.items():
+            if key[0] == "fed" and key[1] in outputs and key[1] not in units:
+                units[key[1]], activated[key[1]] = values, self._units.activated[key[1]]
+        for carrier, (
+            maker,
+            width,
+            ops,
+        ) in self._units.carried.items():  # a dropout after one: its units are the layer's
+            if len(units.get(carrier, ())) == width and maker in outputs and maker not in units:
+                units[maker], activated[maker] = units.pop(carrier), ops
         params: dict[str, list[State]] = {}  # a layer's parameters pooled
         for i, names in enumerate(self._grad_names):
             values, n = fetched.vectors[("grads", str(i))], len(names)
@@ -608,7 +616,7 @@ class HealthMonitor(StatsCallback):
             sigmoid_misfit={layer: misfit / size for layer, (_, size, misfit) in output_grads.items()},
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
-            activated={name: ops for name, ops in self._units.activated.items() if name in units},
+            activated=activated,
             grads={layer: combine(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,

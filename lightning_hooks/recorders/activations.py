@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +148,10 @@ class UnitRecorder:
         are counted (a module without weights)."""
         self.activations = True
         """Count the units of modules with weights after their functional activations (see :attr:`activated`)."""
+        self.carried: dict[str, tuple[str, int, str]] = {}
+        """Per dropout or pooling module that took a module's output with weights through functional operations
+        (``self.dropout(F.relu(self.linear1(x)))``, as ``nn.TransformerEncoderLayer`` does): that module, its unit
+        count and the operations. Its dead units are that module's, dead after its activation."""
         self.activated: dict[str, str] = {}
         """Per module with weights whose output reached a linear or convolution layer through functional operations
         only (``F.relu``): those operations, nearest the module first. The sums of squares of the units that layer
@@ -156,7 +161,7 @@ class UnitRecorder:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry = {}, {}, {}, None
-        self.made, self.activated = {}, {}
+        self.made, self.activated, self.carried = {}, {}, {}
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -203,6 +208,10 @@ class _UnitHook:
             and isinstance(args[0], torch.Tensor)
         ):
             _activated(recorder, module, args[0])
+        if recorder.activations and self.units and isinstance(module, _CARRIERS) and args:
+            made = _made_by(recorder, args[0]) if isinstance(args[0], torch.Tensor) else None
+            if made is not None and not made[2]:
+                recorder.carried[self.name] = (made[0], made[1], made[3])
         if isinstance(output, torch.Tensor) and output.grad_fn is not None and output.dim() >= 2:
             width = output.shape[_unit_axis(module, output)]
             recorder.made[output.grad_fn] = (self.name, width, self.units)
@@ -244,6 +253,14 @@ def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> N
             recorder.batch.add_vector(("entry", name), input_sums(counted_part(arg, copies_off_mesh=False)))
 
 
+_CARRIERS = (
+    nn.modules.dropout._DropoutNd,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+)
+"""Modules that pass units on as they came (a unit dead before them stays dead)."""
 _UNIT_INPUTS = (nn.Linear, nn.modules.conv._ConvNd)
 """The layers whose input units are read as the units of the module that made them (each a column of weights)."""
 FUNCTIONAL_DEPTH = 4
@@ -256,33 +273,38 @@ def _unit_axis(module: nn.Module, t: torch.Tensor) -> int:
     return t.dim() - 1 if isinstance(module, nn.Linear) else unit_dim(t, channels_first(module))
 
 
-def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:
-    """When ``x``, a linear or convolution layer's input, was made from a module with weights by functional
-    operations only (``F.relu(self.fc1(x))``, no module between them to count its units), sum the squares of its
-    units under ``("fed", <that module>)``: a unit zero for every sample is that module's unit, dead after its
-    activation. Not a batch tensor (no autograd node), nor a module's output as it came."""
+def _made_by(recorder: UnitRecorder, x: torch.Tensor) -> tuple[str, int, bool, str] | None:
+    """The module of this step that made ``x`` by functional operations only (``F.relu(self.fc1(h))``): its name,
+    unit count, whether its own units are counted, and the operations, nearest it first. ``None`` for a batch
+    tensor (no autograd node), a module's output as it came, or one made further back."""
     if not x.is_floating_point() or x.dim() < 2 or x.grad_fn is None or x.grad_fn in recorder.made:
-        return
+        return None
     frontier, ops = [x.grad_fn], [x.grad_fn.name()]
     for _ in range(FUNCTIONAL_DEPTH):
         parents = [p for node in frontier for p, _ in node.next_functions if p is not None][:8]
         maker = next((recorder.made[p] for p in parents if p in recorder.made), None)
         if maker is not None:
-            break
+            return *maker, ", ".join(re.sub(r"Backward\d*$", "", op).lower() for op in reversed(ops))
         frontier = parents
         ops += [p.name() for p in parents[:1]]
-    else:
-        return
-    name, width, counted = maker
+    return None
+
+
+def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:
+    """When ``x``, a linear or convolution layer's input, was made from a module with weights by functional
+    operations only (no module between them to count its units), sum the squares of its units under
+    ``("fed", <that module>)``: a unit zero for every sample is that module's unit, dead after its activation."""
+    made = _made_by(recorder, x)
     dim = _unit_axis(module, x)
-    if counted or x.shape[dim] != width:  # a module without weights counts its own units; else not its units
+    if made is None or made[2] or x.shape[dim] != made[1]:  # a module without weights counts its own units
         return
+    name, width, _, ops = made
     x = counted_part(x.detach(), copies_off_mesh=False)
     squares = (x.float() if x.dtype in _WIDENED else x).square()
     key = ("fed", name)
     recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
     recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(width, 1)
-    recorder.activated.setdefault(name, ", ".join(op.removesuffix("Backward0").lower() for op in reversed(ops)))
+    recorder.activated.setdefault(name, ops)
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)

@@ -1964,3 +1964,29 @@ def test_dead_units_behind_a_relu_applied_in_forward_are_named_at_the_layer_they
     findings = fit(tmp_path, classification(build(bias), lr=0.01), steps=20)
     assert [(f.check, f.layers, f.step) for f in findings] == expected
     assert all("after `relu` (in forward)" in f.message for f in findings)
+
+
+class Encoder(nn.Module):
+    """``nn.TransformerEncoderLayer``s, whose ReLU is applied in forward between ``linear1`` and a dropout;
+    ``dead`` puts layer 0's ``linear1`` biases at -20."""
+
+    def __init__(self, dead: bool) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(2, 16), nn.Linear(16, 3)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+        if dead:
+            with torch.no_grad():
+                self.encoder.layers[0].linear1.bias.fill_(-20.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.inp(x.view(-1, 4, 2))).mean(1))
+
+
+@pytest.mark.parametrize("dead", [True, False], ids=["dead", "healthy"])
+def test_dead_units_of_a_torch_transformer_mlp_are_named_at_its_first_linear_layer(tmp_path: Path, dead: bool) -> None:
+    # nn.TransformerEncoderLayer applies its ReLU in forward, then a dropout module: the dead units were named at that
+    # dropout, which only passes them on.
+    pl.seed_everything(0, verbose=False)
+    findings = fit(tmp_path, classification(Encoder(dead), lr=0.01), steps=20)
+    expected = [("dead_units", ("net.encoder.layers.0.linear1",), 0)] if dead else []
+    assert [(f.check, f.layers, f.step) for f in findings] == expected
