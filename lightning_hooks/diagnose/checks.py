@@ -1013,8 +1013,9 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
     if squashed := saturated_layers(snap, learnt):
         first, rest = squashed[0], squashed[1:]
         share = snap.saturated[first]
+        after = f" after `{snap.activated[first]}` (in forward)" if first in snap.activated else ""
         said = (
-            f"{share:.0%} of the outputs of `{label(first)}` are within 0.1 % of their bounds"
+            f"{share:.0%} of the outputs of `{label(first)}`{after} are within 0.1 % of their bounds"
             f"{f', and over half of those of {_listed(rest)}' if rest else ''}: saturated units pass almost no "
             f"gradient back; normalise the inputs, use a smaller initialisation or a lower learning rate, or give "
             f"`cross_entropy` / `binary_cross_entropy_with_logits` the logits instead of a softmax or sigmoid."

@@ -293,7 +293,8 @@ def _made_by(recorder: UnitRecorder, x: torch.Tensor) -> tuple[str, int, bool, s
 def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:
     """When ``x``, a linear or convolution layer's input, was made from a module with weights by functional
     operations only (no module between them to count its units), sum the squares of its units under
-    ``("fed", <that module>)``: a unit zero for every sample is that module's unit, dead after its activation."""
+    ``("fed", <that module>)``: a unit zero for every sample is that module's unit, dead after its activation. After
+    ``torch.tanh`` or ``torch.sigmoid`` alone, count its saturated values too, under ``("sat", <that module>)``."""
     made = _made_by(recorder, x)
     dim = _unit_axis(module, x)
     if made is None or made[2] or x.shape[dim] != made[1]:  # a module without weights counts its own units
@@ -305,6 +306,10 @@ def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> No
     recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
     recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(width, 1)
     recorder.activated.setdefault(name, ops)
+    if ops in ("tanh", "sigmoid"):  # saturated as an nn.Tanh's or nn.Sigmoid's outputs are (see _squashed)
+        gap = 1 - x.abs() if ops == "tanh" else 0.5 - (x - 0.5).abs()
+        recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
+        recorder.saturable[name] = recorder.saturable.get(name, 0) + x.numel()
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)

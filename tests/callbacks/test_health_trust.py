@@ -1990,3 +1990,33 @@ def test_dead_units_of_a_torch_transformer_mlp_are_named_at_its_first_linear_lay
     findings = fit(tmp_path, classification(Encoder(dead), lr=0.01), steps=20)
     expected = [("dead_units", ("net.encoder.layers.0.linear1",), 0)] if dead else []
     assert [(f.check, f.layers, f.step) for f in findings] == expected
+
+
+class FunctionalTanh(nn.Module):
+    """Three linear layers with ``torch.tanh`` applied in forward after each, their weights times ``scale``."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.layers, self.out = (
+            nn.ModuleList([nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32)]),
+            nn.Linear(32, 3),
+        )
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize(("scale", "expected"), [(50.0, [("saturation", "net.layers.0", 0)]), (1.0, [])])
+def test_a_tanh_applied_in_forward_and_saturated_is_named_at_its_layer(
+    tmp_path: Path, scale: float, expected: list[tuple[str, str, int]]
+) -> None:
+    # Saturation was counted in nn.Tanh and nn.Sigmoid modules only: torch.tanh behind weights x50 made no finding.
+    pl.seed_everything(0, verbose=False)
+    findings = fit(tmp_path, classification(FunctionalTanh(scale), lr=0.01), steps=20)
+    assert [(f.check, f.layers[0], f.step) for f in findings] == expected
+    assert all("after `tanh` (in forward)" in f.message for f in findings)
