@@ -767,10 +767,12 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     # An output's Inf (or a square above float32's range) with a finite loss and gradients is a mask: invalid
     # actions or classes filled with -inf, or the dtype's lowest value, before a softmax that makes them 0.
     spread = bad_losses or any(s.nonfinite for s in snap.grads.values())
+    # A layer's output, or its units after the functional operations that took it to the next layer (log, division)
+    after = {n for n in snap.activated if _nonfinite_units(snap.units.get(n, ()), bool(spread))}
     outputs = [  # execution order
         name
         for name, state in ((n, snap.activations.get(n)) for n in snap.order)
-        if state is not None and state.nonfinite > 0 and (spread or _has_nan(state))
+        if state is not None and (state.nonfinite > 0 and (spread or _has_nan(state)) or name in after)
     ]
     # The backward runs from the loss: what it made NaN/Inf in a layer, every layer before it gets. With the step's
     # loss NaN/Inf, the loss made them.
@@ -781,7 +783,14 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     ]
     if outputs:
         layers, count = outputs, float(len(outputs))
-        said = f"the output of `{label(layers[0])}` holds NaN/Inf values (the first in model order of {len(layers)})"
+        made = (
+            f" after `{snap.activated[layers[0]]}` (in forward)"
+            if layers[0] in after and not snap.activations[layers[0]].nonfinite
+            else ""
+        )
+        said = (
+            f"the output of `{label(layers[0])}`{made} holds NaN/Inf values (the first in model order of {len(layers)})"
+        )
         if not math.isfinite(snap.weights.get(layers[0], 0.0)):
             said += (
                 ", and so do its weights: an optimizer step before this one applied NaN/Inf gradients to them, and "
@@ -828,6 +837,12 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             f"sqrt of a non-positive number, or an overflow.{note}"
         )
     return [Evidence("nonfinite", tuple(named[:SHOWN_LAYERS]) or ("root",), count, 0.0, said, step=first)]
+
+
+def _nonfinite_units(sums: Sequence[float], spread: bool) -> bool:
+    """Whether per-unit sums of squares hold a NaN, or an Inf while the loss or a gradient is NaN/Inf too (an Inf
+    alone is a mask)."""
+    return any(math.isnan(v) or (spread and math.isinf(v)) for v in sums)
 
 
 def _has_nan(state: State) -> bool:

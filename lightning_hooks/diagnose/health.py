@@ -251,9 +251,10 @@ class HealthTracker:
             del self._streaks[key]
         for e in immediate:
             step = snap.step if e.step is None else e.step
-            if e.check == "nonfinite":  # NaN spreads: a finding that held at the previous logging step goes on
+            if e.check == "nonfinite":  # NaN spreads: a finding that held at the previous logging step goes on, as
+                # it was first seen (later, every layer and weight holds NaN)
                 going_on = [f for f in self.findings if f.check == e.check and f.last_step == self._previous_step]
-                e = replace(e, layers=going_on[0].layers) if going_on else e
+                e = replace(e, layers=going_on[0].layers, message=going_on[0].message) if going_on else e
             new += self._record(e, step, step if e.check in MOMENTS else snap.step)
         self._previous_step = snap.step
         layers: dict[str, set[str]] = {check: set() for check in self.checks}

@@ -2020,3 +2020,23 @@ def test_a_tanh_applied_in_forward_and_saturated_is_named_at_its_layer(
     findings = fit(tmp_path, classification(FunctionalTanh(scale), lr=0.01), steps=20)
     assert [(f.check, f.layers[0], f.step) for f in findings] == expected
     assert all("after `tanh` (in forward)" in f.message for f in findings)
+
+
+class SquareRoot(nn.Module):
+    """A linear layer whose output goes through ``torch.sqrt`` in forward, into the head: NaN for every negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.sqrt(self.hidden(x)))
+
+
+def test_a_nan_made_between_two_layers_in_forward_is_named_at_the_layer_before_it(tmp_path: Path) -> None:
+    # The first output holding NaN was the head's: the square root that made it, applied to `hidden`'s output in
+    # forward, was not seen.
+    pl.seed_everything(0, verbose=False)
+    nonfinite = [f for f in fit(tmp_path, classification(SquareRoot()), steps=6) if f.check == "nonfinite"]
+    assert [(f.layers[0], f.step) for f in nonfinite] == [("net.hidden", 0)]
+    assert "the output of `net.hidden` after `sqrt` (in forward) holds NaN/Inf values" in nonfinite[0].message
