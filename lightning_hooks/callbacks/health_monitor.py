@@ -530,15 +530,12 @@ class HealthMonitor(StatsCallback):
             )
             if per_unit:
                 units.setdefault(layer, values)
-        activated = {}  # a layer's units after a functional activation
+        activated = {}  # a layer's units after a functional activation (another process may have seen them alone)
         for key, values in vectors.items():
             if key[0] == "fed" and key[1] in outputs and key[1] not in units:
-                units[key[1]], activated[key[1]] = values, self._units.activated[key[1]]
-        for carrier, (
-            maker,
-            width,
-            ops,
-        ) in self._units.carried.items():  # a dropout after one: its units are the layer's
+                units[key[1]], activated[key[1]] = values, self._units.activated.get(key[1], "an operation")
+        for carrier, (maker, width, ops) in self._units.carried.items():
+            # a dropout or pooling module that took them: its units are the layer's
             if len(units.get(carrier, ())) == width and maker in outputs and maker not in units:
                 units[maker], activated[maker] = units.pop(carrier), ops
         params: dict[str, list[State]] = {}  # a layer's parameters pooled

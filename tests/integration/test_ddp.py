@@ -78,19 +78,22 @@ def test_ranks_with_different_batch_shapes_do_not_deadlock(tmp_path: Path) -> No
     assert sorted(mean) == [0, 1]
 
 
-def test_health_monitor_decides_on_rank_zero_from_the_pooled_statistics(tmp_path: Path) -> None:
-    """Each rank alone has half the ReLU's units dead for its whole batch; pooled over both, none is."""
-    stdout = run("ddp", tmp_path, "--health")
+@pytest.mark.parametrize("functional", [False, True], ids=["nn.ReLU", "torch.relu"])
+def test_health_monitor_decides_on_rank_zero_from_the_pooled_statistics(tmp_path: Path, functional: bool) -> None:
+    """Each rank alone has half the ReLU's units dead for its whole batch; pooled over both, none is. A ReLU applied
+    in forward has its units counted where the next layer takes them, pooled the same way."""
+    stdout = run("ddp", tmp_path, "--health", *(["--functional"] if functional else []))
     assert stdout.count("HealthMonitor: no problems found in 64 steps.") == 1  # rank zero prints, once
     assert scalars(tmp_path / "tb", "health/dead_units") == dict.fromkeys(range(64), 0.0)
     # What rank zero would have said from its own batches alone:
-    from tests.support.ddp_run import HalfDeadOnEachRank
+    from tests.support.ddp_run import HalfDeadFunctional, HalfDeadOnEachRank
 
-    alone = HalfDeadOnEachRank(batch_size=8)
+    alone = (HalfDeadFunctional if functional else HalfDeadOnEachRank)(batch_size=8)
     alone.load_state_dict(torch.load(tmp_path / "initial.pt"))
     alone.train_dataloader = lambda: torch.utils.data.DataLoader(  # type: ignore[method-assign]
         torch.utils.data.TensorDataset(-alone.x.abs(), alone.y), batch_size=8
     )
     monitor = HealthMonitor(log_every_n_steps=1, checks=["dead_units"], exclude=["unused"], dead_fraction=0.5)
     make_trainer(tmp_path / "alone", [monitor], max_steps=64).fit(alone)  # a window of 512 samples per unit
-    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("act",), 0.5)]
+    layer = "fc1" if functional else "act"
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", (layer,), 0.5)]

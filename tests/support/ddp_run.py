@@ -1,6 +1,6 @@
 """A real 2-process DDP fit on CPU (gloo), run by tests/integration/test_ddp.py as a script.
 
-    python tests/support/ddp_run.py --strategy ddp|ddp_spawn --out DIR [--uneven | --health]
+    python tests/support/ddp_run.py --strategy ddp|ddp_spawn --out DIR [--uneven | --health [--functional]]
 
 Lightning's `ddp` launcher re-executes this script for rank 1 and `ddp_spawn` pickles the
 callbacks into spawned processes: both need a script, not a pytest process.
@@ -56,6 +56,13 @@ class HalfDeadOnEachRank(TinyNet):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # the units stay where they are
 
 
+class HalfDeadFunctional(HalfDeadOnEachRank):
+    """The same with the ReLU applied in forward (``F.relu``): its units are counted where ``fc2`` takes them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(torch.relu(self.fc1(x))))
+
+
 class PickleCheck(pl.Callback):
     """Pickles every callback in the middle of fit, hooks attached; saves each rank's batches."""
 
@@ -78,10 +85,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--health", action="store_true", help="HealthMonitor alone, on HalfDeadOnEachRank")
+    parser.add_argument("--functional", action="store_true", help="with --health: on HalfDeadFunctional")
     args = parser.parse_args()
     out = Path(args.out)
     torch.manual_seed(0)
-    model = (HalfDeadOnEachRank if args.health else UnevenNet if args.uneven else TinyNet)(batch_size=8)
+    health = HalfDeadFunctional if args.functional else HalfDeadOnEachRank
+    model = (health if args.health else UnevenNet if args.uneven else TinyNet)(batch_size=8)
     torch.save(model.state_dict(), out / "initial.pt")
     check = PickleCheck(out)
     callbacks: list[pl.Callback] = (
