@@ -157,6 +157,9 @@ class UnitRecorder:
         only (``F.relu``): those operations, nearest the module first. The sums of squares of the units that layer
         took go under ``("fed", <module>)``: they are the module's units after its activation."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "made": {}, "last_squashed": None}  # a step's autograd nodes and outputs
+
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
