@@ -215,7 +215,12 @@ class _UnitHook:
             made = _made_by(recorder, args[0]) if isinstance(args[0], torch.Tensor) else None
             if made is not None and not made[2]:
                 recorder.carried[self.name] = (made[0], made[1], made[3])
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None and output.dim() >= 2:
+        if (
+            recorder.activations
+            and isinstance(output, torch.Tensor)
+            and output.grad_fn is not None
+            and output.dim() >= 2
+        ):
             width = output.shape[_unit_axis(module, output)]
             recorder.made[output.grad_fn] = (self.name, width, self.units)
         for path, tensor in named_tensors(output):
@@ -223,13 +228,13 @@ class _UnitHook:
                 continue
             x = counted_part(tensor.detach(), copies_off_mesh=False)  # a DTensor's own part (tensor parallelism)
             key = recorder.keys.key(self.name, path)
-            squares = (x.float() if x.dtype in _WIDENED else x).square()
+            squares = _squares(x)
             if self.units and x.dim() >= 2:
                 dim = unit_dim(x, self.channels_first)
                 if recorder.widths.setdefault(key, x.shape[dim]) != x.shape[dim]:
                     key = recorder.keys.eager(self.name, f"{path}[{x.shape[dim]}]")
                     recorder.widths[key] = x.shape[dim]
-                recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
+                recorder.batch.add_vector(key, _per_unit(squares, dim))
                 recorder.per_unit.add(key)
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
             else:
@@ -304,15 +309,12 @@ def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> No
         return
     name, width, _, ops = made
     x = counted_part(x.detach(), copies_off_mesh=False)
-    squares = (x.float() if x.dtype in _WIDENED else x).square()
     key = ("fed", name)
-    recorder.batch.add_vector(key, squares.sum([d for d in range(x.dim()) if d != dim]))
+    recorder.batch.add_vector(key, _per_unit(_squares(x), dim))
     recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(width, 1)
     recorder.activated.setdefault(name, ops)
-    if ops in ("tanh", "sigmoid"):  # saturated as an nn.Tanh's or nn.Sigmoid's outputs are (see _squashed)
-        gap = 1 - x.abs() if ops == "tanh" else 0.5 - (x - 0.5).abs()
-        recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
-        recorder.saturable[name] = recorder.saturable.get(name, 0) + x.numel()
+    if ops in ("tanh", "sigmoid"):  # saturated as an nn.Tanh's or nn.Sigmoid's outputs are
+        _add_saturated(recorder, name, _bound_gap(x, ops == "tanh"), x.numel())
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)
@@ -330,9 +332,29 @@ def _squashed(recorder: UnitRecorder, name: str, module: nn.Module, output: torc
     if isinstance(module, nn.Softmax):
         gap, n = 1 - y.amax(dim), y.numel() // max(y.shape[dim], 1)  # rows whose largest value is almost 1
     else:
-        gap, n = (1 - y.abs() if isinstance(module, nn.Tanh) else 0.5 - (y - 0.5).abs()), y.numel()
+        gap, n = _bound_gap(y, isinstance(module, nn.Tanh)), y.numel()
+    _add_saturated(recorder, name, gap, n)
+
+
+def _bound_gap(y: torch.Tensor, tanh: bool) -> torch.Tensor:
+    """How far each of a tanh's (or else a sigmoid's) outputs is from its nearer bound."""
+    return 1 - y.abs() if tanh else 0.5 - (y - 0.5).abs()
+
+
+def _add_saturated(recorder: UnitRecorder, name: str, gap: torch.Tensor, n: int) -> None:
+    """Count the values within 0.1 % of their bounds under ``("sat", name)``, out of ``n`` more saturable ones."""
     recorder.batch.add_vector(("sat", name), (gap < 1e-3).sum().reshape(1))
     recorder.saturable[name] = recorder.saturable.get(name, 0) + n
+
+
+def _squares(x: torch.Tensor) -> torch.Tensor:
+    """``x`` squared, in float32 for a half-precision ``x`` (see :data:`_WIDENED`)."""
+    return (x.float() if x.dtype in _WIDENED else x).square()
+
+
+def _per_unit(squares: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum of ``squares`` over every dimension but the units' ``dim``."""
+    return squares.sum([d for d in range(squares.dim()) if d != dim])
 
 
 class _RowSums:
