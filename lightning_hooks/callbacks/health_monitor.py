@@ -30,7 +30,7 @@ from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks.sinks.sink import echo
 from lightning_hooks.stats.batch import Fetched
-from lightning_hooks.stats.state import STATS, State, combine, input_sums
+from lightning_hooks.stats.state import STATS, State, combine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -301,10 +301,11 @@ class HealthMonitor(StatsCallback):
         self._stepped_before = steps is not None and steps != trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
-            self._units.batch_tensors, self._units.batch_sizes = {}, {}  # a previous micro-batch's were freed
+            # a previous micro-batch's were freed
+            self._units.batch_tensors, self._units.batch_sizes, self._units.sums = {}, {}, {}
             floats = [(path, t) for path, t in named_tensors(batch) if t.is_floating_point() and t.numel()]
             for i, (path, t) in enumerate(floats):
-                self._batch.add_vector(("input", path), input_sums(t))
+                self._batch.add_vector(("input", path), self._units.input_sums(t))
                 if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
                     self._units.batch_tensors[t.data_ptr()] = path
                     if i < len(floats) - 1 or len(floats) == 1:  # not the targets: no layer takes them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,6 +144,8 @@ class UnitRecorder:
         self.entry: str | None = None
         """While batch tensors are followed, the first module to take any floating-point tensor; the
         :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("entry", <module>)``."""
+        self.sums: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+        """This step's :meth:`input_sums` by tensor id: the tensor, its version when they were taken, and the sums."""
         self.made: dict[Any, tuple[str, int, bool]] = {}
         """This step's module outputs by their autograd node: the module, its unit count, and whether its own units
         are counted (a module without weights)."""
@@ -158,13 +161,21 @@ class UnitRecorder:
         took go under ``("fed", <module>)``: they are the module's units after its activation."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "made": {}, "last_squashed": None}  # a step's autograd nodes and outputs
+        return {**self.__dict__, "made": {}, "last_squashed": None, "sums": {}}  # a step's autograd nodes and tensors
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.last_squashed = None
-        self.batch_tensors, self.batch_sizes, self.takers, self.entry = {}, {}, {}, None
+        self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
         self.made, self.activated, self.carried = {}, {}, {}
+
+    def input_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """:func:`~lightning_hooks.stats.state.input_sums` of ``t``, taken once while it stays the same object at the
+        same version (the batch tensor that the first layer takes as it is)."""
+        found = self.sums.get(id(t))
+        if found is None or found[0]() is not t or found[1] != t._version:
+            found = self.sums[id(t)] = (weakref.ref(t), t._version, input_sums(t))
+        return found[2]
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
@@ -255,10 +266,10 @@ def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> N
             path = recorder.batch_sizes.get(arg.numel())
         if path is not None and path not in recorder.takers:
             recorder.takers[path] = name
-            recorder.batch.add_vector(("taken", path), input_sums(counted_part(arg, copies_off_mesh=False)))
+            recorder.batch.add_vector(("taken", path), recorder.input_sums(counted_part(arg, copies_off_mesh=False)))
         if recorder.entry is None and arg.numel():
             recorder.entry = name
-            recorder.batch.add_vector(("entry", name), input_sums(counted_part(arg, copies_off_mesh=False)))
+            recorder.batch.add_vector(("entry", name), recorder.input_sums(counted_part(arg, copies_off_mesh=False)))
 
 
 _CARRIERS = (

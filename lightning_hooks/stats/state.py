@@ -258,10 +258,7 @@ def input_sums(t: torch.Tensor) -> torch.Tensor:
     elif x.layout != torch.strided:  # compressed sparse rows or columns, or blocks of them
         x = x.values()
     x = x.float()
-    nonzero = x != 0
-    lowest, highest = torch.where(nonzero, x, math.inf).amin(), torch.where(nonzero, x, -math.inf).amax()
-    fill = (lowest == highest) & (highest < 0)
-    x = torch.where(x.isfinite(), x, 0.0)
-    return torch.stack(
-        [x.square().sum(), x.count_nonzero().float(), fill.float(), torch.ones_like(fill, dtype=x.dtype)]
-    )
+    lowest = x.amin()
+    fill = (x.eq(lowest).sum() == x.count_nonzero()) & (lowest < 0)  # every non-zero value is the lowest, negative
+    finite = x.nan_to_num(0.0, 0.0, 0.0)
+    return torch.stack([finite.square().sum(), finite.count_nonzero(), fill, torch.ones_like(lowest)]).float()

@@ -914,14 +914,17 @@ def test_raw_numeric_columns_are_judged_at_the_layer_that_takes_them(
 
 
 class Pixels(nn.Module):
-    """A small CNN on 0-255 pixels that divides them by 255 itself, or takes them as they come."""
+    """A small CNN on 0-255 pixels that divides them by 255 itself (into a copy, or the batch tensor in place), or
+    takes them as they come."""
 
-    def __init__(self, divides: bool) -> None:
+    def __init__(self, divides: bool, in_place: bool = False) -> None:
         super().__init__()
-        self.divides = divides
+        self.divides, self.in_place = divides, in_place
         self.layers = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            return self.layers(x.div_(255))
         return self.layers(x / 255 if self.divides else x)
 
 
@@ -995,16 +998,17 @@ def diffusion(pixels: torch.Tensor) -> Fit:
     return Fit(Denoiser(), pixels, torch.zeros(len(pixels)), noise_prediction)
 
 
-def pixels(divides: bool) -> Fit:
+def pixels(divides: bool, in_place: bool = False) -> Fit:
     x = (seeded(256, 1, 8, 8).sigmoid() * 255).round()
     y = (x[:, 0, :4].mean((1, 2)) > x[:, 0, 4:].mean((1, 2))).long()
-    return Fit(Pixels(divides), x, y, lambda m, x, y: F.cross_entropy(m(x), y))
+    return Fit(Pixels(divides, in_place), x, y, lambda m, x, y: F.cross_entropy(m(x), y))
 
 
 @pytest.mark.parametrize(
     ("build", "expected"),
     [
         (partial(pixels, True), []),
+        (partial(pixels, True, in_place=True), []),
         (partial(pixels, False), [("input_scale", ("net.layers.0",), 0)]),
         (partial(packed, 1.0), []),
         (partial(packed, 1000.0), [("input_scale", ("net.head.0",), 0)]),
@@ -1015,6 +1019,7 @@ def pixels(divides: bool) -> Fit:
     ],
     ids=[
         "pixels the model divides by 255",
+        "pixels the model divides by 255 in place",
         "raw pixels",
         "codes beside standardised columns",
         "raw columns",
