@@ -301,7 +301,8 @@ class ParamGradRecorder:
 class _UpdateRatio:
     """Optimizer step post-hook: ``||w_after - w_before|| / ||w_before||`` for each parameter it was given
     (a sharded one's change and weight as states, see :class:`ParamGradRecorder`). The parameters of one device,
-    dtype and shape are copied and compared stacked, a few operators for each shape rather than for each parameter."""
+    dtype and shape are copied and compared stacked, a few operators for each shape rather than for each parameter;
+    those alone in their shape, with torch's foreach operators (a few for all of them)."""
 
     def __init__(
         self,
@@ -319,27 +320,41 @@ class _UpdateRatio:
                     self.sharded.append((name, p, counted_part(p).detach().clone()))
                 else:
                     groups.setdefault((p.device, p.dtype, p.shape), []).append((name, p))
-            self.before = [(group, _stacked(group)) for group in groups.values()]
+            alone: dict[tuple[torch.device, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+            for (device, dtype, _), group in groups.items():
+                if len(group) == 1:
+                    alone.setdefault((device, dtype), []).extend(group)
+            self.before = [(group, _stacked(group)) for group in groups.values() if len(group) > 1]
+            # their negated copies (foreach has no copy)
+            self.alone = [(group, torch._foreach_neg([p for _, p in group])) for group in alone.values()]
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before, self.before = self.before, []  # the copies are freed as soon as the ratios are taken
+        alone, self.alone = self.alone, []
         sharded, self.sharded = self.sharded, []
         for name, param, old in sharded:  # a shard's part of the norms: pooled across processes at the fetch
             self.batch.add(("update", name), counted_part(param).detach() - old)
             self.batch.add(("weight", name), old)
-        if not before:
+        if not before and not alone:
             return
-        changes, shares, halves = [], [], []
+        changes, scales, shares, halves = [], [], [], []
         with torch.no_grad():
             for group, old in before:
                 change = _stacked(group).sub_(old)
                 changes.append(_norms(change))
+                scales.append(_norms(old))
                 if self.changed_shares and old.dtype in _HALF:
                     shares.append(change.ne(0).sum(1) / change.shape[1])
                     halves += [name for name, _ in group]
-            scales = [_norms(old) for _, old in before]
+            for group, minus_old in alone:
+                each = torch._foreach_add([p for _, p in group], minus_old)
+                changes.append(_foreach_norms(each))
+                scales.append(_foreach_norms(minus_old))
+                if self.changed_shares and minus_old[0].dtype in _HALF:
+                    shares.append(torch.stack([c.ne(0).sum() / c.numel() for c in each]))
+                    halves += [name for name, _ in group]
             change, scale = torch.cat(changes).double(), torch.cat(scales).double().clamp_min_(1e-12)
-        names = [name for group, _ in before for name, _ in group]
+        names = [name for group, _ in [*before, *alone] for name, _ in group]
         self.batch.add_scalars([("ratio", name) for name in names], change / scale)
         if self.weight_norms:
             self.batch.add_scalars([("wnorm", name) for name in names], scale)
@@ -360,6 +375,11 @@ def _norms(rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32)
     return torch.linalg.vector_norm(rows, dim=1)
+
+
+def _foreach_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of each of ``tensors`` (of one dtype), taken in float32 at least."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32 if tensors[0].dtype in _HALF else None))
 
 
 def update_ratio(update: State, weight: State) -> float:
