@@ -214,7 +214,7 @@ class StatBatch:
     def add_scalars(self, keys: Sequence[Key], values: torch.Tensor) -> None:
         """One value per key from one vector (a later value of a key wins)."""
         if self.open:
-            values = values.detach().double().reshape(-1)
+            values = values.detach().double().flatten()
             if values.numel() != len(keys):
                 raise ValueError(f"{len(keys)} keys for {values.numel()} values")
             self._device = self._device or values.device
@@ -223,7 +223,7 @@ class StatBatch:
     def add_vector(self, key: Key, values: torch.Tensor) -> None:
         """A vector under ``key``, pooled by ``+`` with the key's earlier vectors and (fetched ``across``) processes."""
         if self.open:
-            values = values.detach().double().reshape(-1)
+            values = values.detach().double().flatten()
             self._device = self._device or values.device
             found = self._vectors.get(key)
             self._vectors[key] = values if found is None else found + values
@@ -257,7 +257,7 @@ class StatBatch:
             part[:, :-1] = across.reduce(part[:, :-1].contiguous(), "sum")
             part[:, -1:] = across.reduce(part[:, -1:].contiguous(), "max")
         keys += shared
-        parts = [table.flatten(), derive_table(table).flatten()]
+        parts = [table.flatten(), derive_table(table).flatten()] if len(keys) else []  # no states: nothing to derive
         hist_keys = list(self._samples)
         if hist_keys:
             parts.append(self._histograms(hist_keys, device).flatten())
@@ -281,7 +281,7 @@ class StatBatch:
             )
         parts += [v.to(device) for _, v in vectors]
         self.clear()
-        host = torch.cat(parts).cpu().tolist()  # the one host transfer
+        host = torch.cat(parts).cpu().tolist() if parts else []  # the one host transfer
         fetched = self._read(host, keys, hist_keys, scalar_keys, [(k, v.numel()) for k, v in vectors])
         return fetched._replace(parts=parts_of) if parts_of else fetched
 
