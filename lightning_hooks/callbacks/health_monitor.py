@@ -579,10 +579,11 @@ class HealthMonitor(StatsCallback):
                 row += ring_step in with_norms
         overflow, scale = fetched.vectors.get(("scaler", "overflow"), [0.0, math.nan])
         executed = [label(name) for name in self._units.order]
+        ran = set(executed)
         output_grads = {label(k[1]): v for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0}
         return Snapshot(
             step=step,
-            order=[*executed, *(name for name in self._order if name not in set(executed))],
+            order=[*executed, *(name for name in self._order if name not in ran)],
             executed=executed,
             adaptive=frozenset(self._adaptive),
             squashing=self._squashing,
