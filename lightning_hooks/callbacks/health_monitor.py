@@ -204,8 +204,7 @@ class HealthMonitor(StatsCallback):
         self._ring: _LossRing | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
-        self._batch_start_step: int | None = None  # the optimizer steps taken when the previous batch began
-        self._stepped_before = False  # whether the previous batch took an optimizer step
+        self._previous_batch_step = -1  # the optimizer steps taken when the previous batch began
         self._carry: list[tuple[str, _Carried]] = []  # under manual optimization, whether `.grad` is zeroed
         self._carried: dict[str, list[str]] = {}  # the layers of each optimizer behind a ("carried", <i>) vector
         self._checked_until = -1  # the last step checked in this fit
@@ -297,8 +296,7 @@ class HealthMonitor(StatsCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        steps, self._batch_start_step = self._batch_start_step, trainer.global_step
-        self._stepped_before = steps is not None and steps != trainer.global_step
+        self._previous_batch_step = self.batch_step  # due_step reads this batch's (global_step: a chain of properties)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if "input_scale" in self.checks and self._batch.open:
             # a previous micro-batch's were freed
@@ -318,7 +316,8 @@ class HealthMonitor(StatsCallback):
             self._units.activations = not self._tensor_parallel  # a shard's inputs are not its maker's units
             self._units.attach(self._leaves, self._step_handles)
         manual = not pl_module.automatic_optimization  # Lightning zeroes `.grad` itself otherwise
-        if manual and self._stepped_before and not self._carry and "exploding_gradients" in self.checks:
+        stepped_before = self._previous_batch_step not in (-1, self.batch_step)  # the previous batch stepped
+        if manual and stepped_before and not self._carry and "exploding_gradients" in self.checks:
             trainable = [(name, p) for name, p in self._params if p.requires_grad]  # a backbone frozen since setup
             for name, p in sorted(trainable, key=lambda named: named[1].numel())[:CARRY_SAMPLE]:
                 self._carry.append((name, _Carried(p)))
@@ -343,11 +342,12 @@ class HealthMonitor(StatsCallback):
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._overflow += overflow
             for group in optimizer.param_groups:
+                lr, eps = _learning_rate(group), group.get("eps")
                 for p in group["params"]:
                     if (layer := self._layer_of.get(id(p))) is not None:
-                        lr, before = _learning_rate(group), self._lrs.get(layer)
+                        before = self._lrs.get(layer)
                         self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
-                        if isinstance(eps := group.get("eps"), float):  # Adafactor's is a pair
+                        if isinstance(eps, float):  # Adafactor's is a pair
                             self._eps[layer] = eps
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not isinstance(optimizer, torch.optim.SGD):

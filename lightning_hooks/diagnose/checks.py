@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -287,6 +288,7 @@ def copied_units(snap: Snapshot) -> list[Evidence]:
     return [Evidence("dead_units", tuple(label(n) for n in copied[:SHOWN_LAYERS]), share, 1 - 1 / MIN_COPIES, said)]
 
 
+@functools.cache  # a model's layer names, asked at every logging step
 def role(name: str) -> str:
     """A layer's role: its name with block indices starred (``h.3.attn.q`` -> ``h.*.attn.q``)."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)

@@ -356,12 +356,13 @@ class HealthTracker:
         layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
+        pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
             if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
                 self._step_norms.clear()
                 continue
-            layer_norms = _per_layer(norms, snap.norm_layers, left_out)
-            total = math.sqrt(math.fsum(v * v for v in layer_norms.values()))
+            layer_norms = next(pooled)
+            total = math.hypot(*layer_norms.values())
             if math.isfinite(total):
                 steps.append(layer_norms)
                 self._step_norms.append((step, layer_norms))
@@ -389,7 +390,7 @@ class HealthTracker:
         if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
         median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth."""
         length = 3 if overflowed else self.limits.patience + 1
-        totals = [math.sqrt(math.fsum(v * v for v in norms.values())) for _, norms in run]
+        totals = [math.hypot(*norms.values()) for _, norms in run]
         rising = 1
         while rising < len(totals) and totals[-rising - 1] < totals[-rising] and not (overflowed and rising == 3):
             rising += 1
@@ -581,14 +582,19 @@ def _per_layer_of(snap: Snapshot, left_out: frozenset[str]) -> dict[str, float]:
     return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items() if name not in left_out}
 
 
-def _per_layer(norms: Sequence[float], layers: Sequence[str], left_out: frozenset[str]) -> dict[str, float]:
-    """Per-parameter norms pooled into their layers' (the 2-norm of the layer's parameters together), but for the
-    layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
-    squares: dict[str, float] = {}
-    for value, name in zip(norms, layers, strict=False):
+def _per_layer(
+    rows: Sequence[Sequence[float]], layers: Sequence[str], left_out: frozenset[str]
+) -> list[dict[str, float]]:
+    """Each row of per-parameter norms pooled into its layers' (the 2-norm of the layer's parameters together, an Inf
+    winning over a NaN), but for the layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or
+    nothing zeroes it)."""
+    indices: dict[str, list[int]] = {}
+    for i, name in enumerate(layers):
         if name not in left_out:
-            squares[name] = squares.get(name, 0.0) + value * value
-    return {name: math.sqrt(v) for name, v in squares.items()}
+            indices.setdefault(name, []).append(i)
+    # math.hypot and itemgetter run in C: a logging step can pool every step's norms since the last one
+    plan = [(name, operator.itemgetter(*found), len(found) > 1) for name, found in indices.items()]
+    return [{name: math.hypot(*get(row)) if many else math.hypot(get(row)) for name, get, many in plan} for row in rows]
 
 
 def _both(a: list[bool], b: list[bool]) -> list[bool]:

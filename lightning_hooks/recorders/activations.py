@@ -270,6 +270,8 @@ def _follow_batch(recorder: UnitRecorder, name: str, args: tuple[Any, ...]) -> N
         if recorder.entry is None and arg.numel():
             recorder.entry = name
             recorder.batch.add_vector(("entry", name), recorder.input_sums(counted_part(arg, copies_off_mesh=False)))
+    if recorder.entry is not None and recorder.takers.keys() >= set(recorder.batch_tensors.values()):
+        recorder.batch_tensors = {}  # every batch tensor has its taker: nothing left to follow in this micro-batch
 
 
 _CARRIERS = (

@@ -221,6 +221,8 @@ def combine(rows: Iterable[State]) -> State:
     rows = list(rows)
     if not rows:
         return State()
+    if len(rows) == 1 and rows[0].numel:  # most layers have one output tensor
+        return rows[0]
     summed = [math.fsum(column) for column in zip(*(r[:_SUMMED] for r in rows), strict=True)]
     peaks = [r.abs_max for r in rows if r.numel]
     peak = math.nan if any(math.isnan(p) for p in peaks) else max(peaks, default=0.0)
