@@ -396,7 +396,7 @@ class HealthMonitor(StatsCallback):
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
         self._units.last_squashed = None  # a forward that no backward followed: not kept past the step
-        self._units.made = {}  # nor its autograd nodes
+        self._units.made, self._units.sums = {}, {}  # nor its autograd nodes, nor the batch sums it kept
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         scale = loss_scale(self._scaler)  # as updated after the step
         if self._overflow and scale is not None:
