@@ -186,6 +186,7 @@ class HealthMonitor(StatsCallback):
         self._normalizers: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._eps: dict[str, float] = {}  # and its adaptive optimizer's eps, where it has one
+        self._decay: dict[str, tuple[float, float]] = {}  # and its weight decay (see `_weight_decay`)
         self._embeddings: frozenset[str] = frozenset()
         self._half: dict[str, torch.dtype] = {}
         self._leaves: list[tuple[str, nn.Module]] = []
@@ -288,7 +289,7 @@ class HealthMonitor(StatsCallback):
         self._units.start()
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._backward_now = False
-        self._lrs, self._eps = {}, {}
+        self._lrs, self._eps, self._decay = {}, {}, {}
         self._overflow = []
         self._carry, self._carried = [], {}
 
@@ -343,12 +344,15 @@ class HealthMonitor(StatsCallback):
             self._overflow += overflow
             for group in optimizer.param_groups:
                 lr, eps = _learning_rate(group), group.get("eps")
+                decay = _weight_decay(optimizer, group, lr)
                 for p in group["params"]:
                     if (layer := self._layer_of.get(id(p))) is not None:
                         before = self._lrs.get(layer)
                         self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
                         if isinstance(eps, float):  # Adafactor's is a pair
                             self._eps[layer] = eps
+                        if decay is not None and decay[0] > self._decay.get(layer, (0.0,))[0]:
+                            self._decay[layer] = decay
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not isinstance(optimizer, torch.optim.SGD):
                 self._adaptive.update(layer for i in stepped if (layer := self._layer_of.get(i)) is not None)
@@ -589,6 +593,7 @@ class HealthMonitor(StatsCallback):
             squashing=self._squashing,
             lrs=self._lrs,
             eps=self._eps,
+            decay=self._decay,
             embeddings=self._embeddings,
             gradless=bool(self._gradless),
             backward=self._backward_now,
@@ -691,6 +696,25 @@ def _learning_rate(group: dict[str, Any]) -> float:
     leaves ``lr=None``)."""
     lr = group.get("lr")
     return math.nan if lr is None else float(lr)
+
+
+def _weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any], lr: float) -> tuple[float, float] | None:
+    """A parameter group's ``weight_decay`` and the share of every weight it removes each optimizer step: ``lr × wd``
+    where the decay is decoupled from the gradient (AdamW, ``decoupled_weight_decay=True``, Lion), ``lr × wd ×
+    (1 - dampening) / (1 - momentum)`` under SGD (the decay joins the gradient, which momentum sums), NaN under another
+    optimizer (the decay joins a gradient that the optimizer's own statistics scale); None without a decay, or without
+    a learning rate (Adafactor's relative step)."""
+    wd = group.get("weight_decay")
+    if not isinstance(wd, int | float) or not wd > 0 or math.isnan(lr):
+        return None
+    wd = float(wd)
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum, dampening = float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0))
+        return wd, lr * wd * ((1 - dampening) / (1 - momentum) if 0 < momentum < 1 else 1.0)
+    name = type(optimizer).__name__.lower()
+    if group.get("decoupled_weight_decay") or "adamw" in name or "lion" in name:
+        return wd, lr * wd
+    return wd, math.nan
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:

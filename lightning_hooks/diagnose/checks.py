@@ -16,6 +16,8 @@ from lightning_hooks.stats.state import State
 __all__ = [
     "CONVERGED",
     "Evidence",
+    "absent_inputs",
+    "decayed_away",
     "input_scale",
     "mean_gradients",
     "no_backward",
@@ -116,6 +118,8 @@ class Snapshot:
     sigmoid_misfit: dict[str, float] = field(default_factory=dict)  # and its share a loss's own sigmoid leaves out
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     eps: dict[str, float] = field(default_factory=dict)  # per layer, its adaptive optimizer's eps (where it has one)
+    decay: dict[str, tuple[float, float]] = field(default_factory=dict)  # per layer with a weight decay: its value,
+    # and the share of every weight it removes each optimizer step (NaN where an adaptive optimizer scales it)
     embeddings: frozenset[str] = frozenset()  # embedding tables (a batch reaches a few of their rows)
     gradless: bool = False  # the optimizer stepped with no gradient on any watched parameter
     backward: bool = True  # a backward ran in the logging step (``training_step`` returned a loss)
@@ -563,6 +567,56 @@ def update_ratio(
     return found
 
 
+HEAVY_DECAY = 1e-2
+"""``decayed_away`` judges a weight decay that removes this share of every weight each optimizer step or more, ten
+times the most that usual recipes remove (AdamW at 1e-3 with 0.1: 1e-4; SGD at 0.1 with 5e-4 and momentum 0.9: 5e-4;
+grokking's AdamW at 1e-3 with 1.0: 1e-3)."""
+SHRUNK = 0.1
+"""``decayed_away`` names a layer whose weights' norm fell to this share of its first logging step's or less."""
+
+
+def decayed_away(snap: Snapshot, first: dict[str, tuple[float, float]]) -> list[Evidence]:
+    """Layers whose weight decay shrank their weights' norm to :data:`SHRUNK` of what it was at their first logging
+    step (``first``: per layer, the norms of its weights and of its gradient there) or less, the decay being too
+    strong for any gradient to hold them: one removing :data:`HEAVY_DECAY` of every weight each step or more, or under
+    an adaptive optimizer that adds it to the gradient (Adam's ``weight_decay``), one whose term ``wd × w`` was larger
+    than the gradient itself at that first step. Their outputs shrink toward nothing (the next layers' outputs then
+    look huge beside theirs). The caller judges it only while the loss did not fall: a model that learns despite a
+    strong decay is regularised, not broken."""
+    shrunk, shown = [], None
+    for name in snap.order:
+        decay, start, norm = snap.decay.get(name), first.get(name), snap.weights.get(name)
+        if decay is None or start is None or norm is None or not start[0] > 0:
+            continue
+        (wd, share), (weights, gradient) = decay, start
+        strong = share >= HEAVY_DECAY if not math.isnan(share) else wd * weights >= gradient > 0
+        if strong and norm <= SHRUNK * weights:
+            shrunk.append(name)
+            shown = shown or (name, norm / weights, wd, share, wd * weights / max(gradient, 1e-30))
+    if shown is None:
+        return []
+    name, left, wd, share, dominance = shown
+    lr = snap.lrs.get(name, math.nan)
+    if math.isnan(share):
+        how = (
+            f"`weight_decay={wd:g}` adds {wd:g} times the weights to their gradient, a term {dominance:.0f} times the "
+            f"gradient itself at the first logging step; lower it (Adam's usual L2 decay is 1e-5 to 1e-4), or use "
+            f"AdamW's decoupled decay (0.01 to 0.1)."
+        )
+    else:
+        how = (
+            f"`weight_decay={wd:g}` at a learning rate of {lr:.0e} pulls every weight toward zero by {share:.2g} of "
+            f"itself each optimizer step (usual recipes: 1e-5 to 1e-3); lower it (AdamW's usual value is 0.01 to 0.1, "
+            f"SGD's 1e-4 to 5e-4)."
+        )
+    said = (
+        f"the weights of {_listed(shrunk)} shrank to {left:.0e} of their norm at their first logging step while the "
+        f"loss did not fall: the weight decay is too strong; {how}"
+    )
+    layers = tuple(label(n) for n in shrunk[:SHOWN_LAYERS])
+    return [Evidence("update_ratio", layers, left, SHRUNK, said, group="weight decay")]
+
+
 ROUNDED = 0.25
 """Below this share of half-precision weights changed by the optimizer's step, three quarters of its update are lost."""
 
@@ -915,6 +969,34 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             f"deviation); unscaled {what} make huge activations, losses and gradients from the first step."
         )
         found.append(Evidence("input_scale", tuple(label(n) for n in layers) or ("root",), rms, INPUT_SCALE, said))
+    return found
+
+
+def absent_inputs(snap: Snapshot) -> list[Evidence]:
+    """Floating-point batch tensors with no finite non-zero value (all zeros: data never loaded into a buffer made with
+    ``torch.zeros``, a transform that multiplies by 0), taken as they are by the layer that takes them, or by the first
+    layer to take a floating-point tensor: every sample looks alike to the model, which can learn no more than the
+    mean target. Only when every floating-point input is so (an RNN's initial state may be zeros beside its inputs),
+    not counting the batch's last tensor of several (a target, possibly all zeros in a batch); and not one a layer
+    takes only after adding something to it (a learnt embedding)."""
+    paths = list(snap.inputs)
+    inputs = {path: rms for path, rms in snap.inputs.items() if len(paths) == 1 or path != paths[-1]}
+    if any(rms != 0 for rms in inputs.values()):  # another input carries the samples (an RNN's zero initial state)
+        return []
+    found = []
+    for path in inputs:
+        taker, took = snap.input_takers.get(path), snap.taken.get(path, 0.0)
+        if taker is None and snap.entry is not None:
+            taker, took = snap.entry
+        if taker is None or took != 0:
+            continue
+        said = (
+            f"the batch's inputs (`{path}`) hold no finite non-zero value: every sample is all zeros, so "
+            f"`{label(taker)}` gives each the same output and the model can learn no more than the mean target; check "
+            f"the data loading (a buffer made with `torch.zeros` and never filled, a wrong column or key, a transform "
+            f"that multiplies by 0)."
+        )
+        found.append(Evidence("input_scale", (label(taker),), 0.0, 0.0, said))
     return found
 
 

@@ -22,11 +22,13 @@ from lightning_hooks.diagnose.checks import (
     Evidence,
     Snapshot,
     Thresholds,
+    absent_inputs,
     carried,
     clipped_away,
     copied_units,
     cut_off,
     dead_units,
+    decayed_away,
     fed_by,
     giant_steps,
     gradient_spread,
@@ -157,7 +159,8 @@ class HealthTracker:
         self._first_gradient: float | None = None  # and its median layer's mean |gradient|
         self._saturated_early: set[str] = set()  # the layers saturated at a logging step before the run settled
         self._zero_start: set[str] = set()
-        self._seen_weights: set[str] = set()
+        self._first_weights: dict[str, tuple[float, float]] = {}  # per layer, its weights' and gradient's norms when
+        # first seen
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
         self._lr_last: dict[str, float] = {}  # and the one at the previous logging step
         self._faded_layers: set[str] = set()  # the layers whose learning rate faded early (see _faded)
@@ -177,15 +180,16 @@ class HealthTracker:
         persistent: list[Evidence] = []
         immediate: list[Evidence] = []
         on = set(self.checks)
-        for name in snap.weights.keys() - self._seen_weights:
-            self._seen_weights.add(name)
+        for name in snap.weights.keys() - self._first_weights.keys():
+            grad = snap.grads.get(name)
+            self._first_weights[name] = (snap.weights[name], math.sqrt(max(grad.sum_sq, 0.0)) if grad else 0.0)
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
         self._carried |= frozenset(snap.carried)
         skip = frozenset(self._zero_start) | self._carried  # the gradient of a `.grad` never zeroed: a running sum
         left_out = snap.unoptimized | self._carried
         scheduled = self._scheduled(snap)
-        settling, learning, converged = self._settle(snap)
+        settling, learning, converged, stuck = self._settle(snap)
         # no backward and no gradient in the logging step: `training_step` returned None, skipping its batch
         skipped = snap.gradless and not snap.backward
         if self._zero_losses is not None:  # the losses from step 0, while every one is exactly zero
@@ -201,7 +205,10 @@ class HealthTracker:
         dead = self._dead_units(snap) if "dead_units" in on else []
         immediate += dead
         persistent += copied_units(snap) if "dead_units" in on else []
+        decayed = decayed_away(snap, self._first_weights) if "update_ratio" in on and stuck else []
+        persistent += decayed
         grown = self._activation_growth(snap, settling, learning) if "activation_growth" in on else []
+        grown = [] if decayed else grown  # beside the layers the decay shrank, any output looks huge
         # The layers dead units feed learn nothing, and a layer whose output grew a thousand-fold has weights too large
         # for its steps to move: `dead_units` and `activation_growth` name why.
         large = {e.layers[0] for e in grown}
@@ -217,7 +224,7 @@ class HealthTracker:
             immediate += self._norm_growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
         explained = squashed + (vanishing_layers(snap, self.limits, starved) if "vanishing_gradients" in on else [])
-        if "update_ratio" in on and judged:
+        if "update_ratio" in on and judged and not decayed:
             clipped = [e for e in clipped_away(snap, self.limits, skip) if e.check in on]
             persistent += (
                 rounded_away(snap, skip)
@@ -235,6 +242,7 @@ class HealthTracker:
             persistent += saturation(snap, self.limits, learnt)
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits)
+            persistent += absent_inputs(snap)
         if "no_learning" in on:
             immediate += stalled or self._no_backward(snap) or ([] if skipped else self._cut_off(snap))
         self._touched = set()
@@ -418,12 +426,12 @@ class HealthTracker:
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
-    def _settle(self, snap: Snapshot) -> tuple[bool, bool, bool]:
+    def _settle(self, snap: Snapshot) -> tuple[bool, bool, bool, bool]:
         """From the logging step's median loss: whether the run settles here (the first logging step from step
         :data:`SETTLED`, whose loss becomes the reference), whether it is learning (its loss below that reference),
-        and whether it converged: its loss, or its median layer's mean ``|gradient|``, :data:`CONVERGED` times below the
+        whether it converged: its loss, or its median layer's mean ``|gradient|``, :data:`CONVERGED` times below the
         first logging step's (gradient descent that reached the least-squares fit of noisy targets: the loss stops at
-        the noise, the gradient at 0)."""
+        the noise, the gradient at 0); and whether it is stuck, its loss not down by half of the first's."""
         loss = statistics.median([v for _, v in snap.losses if math.isfinite(v)] or [math.nan])
         if self._first_loss is None and math.isfinite(loss):
             self._first_loss = loss
@@ -438,7 +446,9 @@ class HealthTracker:
         converged = (self._first_loss is not None and 0 < loss * CONVERGED <= self._first_loss) or (
             self._first_gradient is not None and gradient * CONVERGED <= self._first_gradient
         )
-        return settling, learning, converged
+        first = self._first_loss
+        stuck = first is not None and loss > first - abs(first) / 2  # not when NaN
+        return settling, learning, converged, stuck
 
     def _learnt(self, snap: Snapshot, settling: bool, learning: bool) -> frozenset[str]:
         """The layers that saturated while the loss fell below where the run settled (a sharp attention that solved

@@ -1452,7 +1452,7 @@ def test_a_saturated_sigmoid_whose_outputs_are_all_one_is_saturation_not_copies(
     assert [(f.check, f.layers) for f in fit(tmp_path, model, steps=30)] == [("saturation", ("net.1",))]
 
 
-class Decayed(Fit):
+class Optimized(Fit):
     """``Fit`` under SGD with momentum and a learning-rate scheduler (``"step"``: stepped every optimizer step)."""
 
     def __init__(self, schedule: Callable[[torch.optim.Optimizer], Any], interval: str) -> None:
@@ -1489,7 +1489,7 @@ def test_a_learning_rate_scheduled_to_nothing_with_most_of_the_fit_to_go_is_name
     # by step 120 and 1e-20 by step 600, and the fit stops learning. Before, a layer whose learning rate is below its
     # peak was never judged below the range (a decay is small steps by design), so nothing was said.
     pl.seed_everything(0, verbose=False)
-    found = fit(tmp_path, Decayed(schedule, interval), steps=600, every=10)
+    found = fit(tmp_path, Optimized(schedule, interval), steps=600, every=10)
     assert [(f.check, f.layers) for f in found] == expected
     if found:
         assert 120 <= found[0].step < 300
@@ -2045,3 +2045,99 @@ def test_a_nan_made_between_two_layers_in_forward_is_named_at_the_layer_before_i
     nonfinite = [f for f in fit(tmp_path, classification(SquareRoot()), steps=6) if f.check == "nonfinite"]
     assert [(f.layers[0], f.step) for f in nonfinite] == [("net.hidden", 0)]
     assert "the output of `net.hidden` after `sqrt` (in forward) holds NaN/Inf values" in nonfinite[0].message
+
+
+class ThreeLayers(Fit):
+    """A three-layer MLP on :func:`classification`'s data under the optimizer ``make`` builds from its parameters."""
+
+    def __init__(self, make: Callable[..., torch.optim.Optimizer]) -> None:
+        widths = [(8, 32), (32, 32), (32, 3)]
+        layers = [layer for n, m in widths for layer in (nn.Linear(n, m), nn.ReLU())][:-1]
+        base = classification(nn.Sequential(*layers))
+        super().__init__(base.net, base.x, base.y, base.loss, sgd=True)
+        self.make = make
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.make(self.parameters())
+
+    def zeroed(self) -> ThreeLayers:
+        """The same fit on inputs of all zeros."""
+        self.x = torch.zeros_like(self.x)
+        return self
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (partial(torch.optim.AdamW, lr=1e-2, weight_decay=50), True),
+        (partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01), False),
+        (partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=5), True),
+        (partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=5e-4), False),
+        (partial(torch.optim.Adam, lr=1e-2, weight_decay=50), True),
+        (partial(torch.optim.Adam, lr=1e-3, weight_decay=1e-4), False),
+    ],
+    ids=[
+        "AdamW at 50 (typed for 5e-4)",
+        "AdamW at 0.01",
+        "SGD at 5",
+        "SGD at 5e-4",
+        "Adam's L2 at 50",
+        "Adam's L2 at 1e-4",
+    ],
+)
+def test_a_weight_decay_that_wipes_the_weights_is_named_as_the_cause(
+    tmp_path: Path, make: Callable[..., torch.optim.Optimizer], named: bool
+) -> None:
+    # A weight decay that removes a large share of every weight each step holds the loss at chance. It made no
+    # finding under AdamW, or named `activation_growth` at the head: beside the first layers, wiped to 1e-9 of their
+    # norm, the head's output looked huge.
+    pl.seed_everything(0, verbose=False)
+    findings = fit(tmp_path, ThreeLayers(make), steps=150, every=5)
+    if not named:
+        assert findings == []
+        return
+    assert [(f.check, f.layers[0]) for f in findings] == [("update_ratio", "net.0")]
+    assert f"`weight_decay={make.keywords['weight_decay']:g}`" in findings[0].message
+    assert "the weight decay is too strong" in findings[0].message
+
+
+class ZeroState(pl.LightningModule):
+    """A GRU over the rows of ``x`` from the initial state ``h0`` the batch holds (zeros, as a zero state often is),
+    its last state classified; or the same model given inputs of all zeros."""
+
+    def __init__(self, zero_inputs: bool) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(8, 16, batch_first=True), nn.Linear(16, 3)
+        base = classification(nn.Identity(), width=64)
+        self.x, self.y = base.x.view(-1, 8, 8) * (0 if zero_inputs else 1), base.y
+        self.h0 = torch.zeros(len(self.x), 1, 16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, h0, y = batch
+        return F.cross_entropy(self.head(self.gru(x, h0.transpose(0, 1).contiguous())[1][0]), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.h0, self.y), batch_size=32, shuffle=True)
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: ThreeLayers(partial(torch.optim.Adam, lr=1e-3)), []),
+        (lambda: ThreeLayers(partial(torch.optim.Adam, lr=1e-3)).zeroed(), [("input_scale", ("net.0",), 0)]),
+        (partial(ZeroState, False), []),
+        (partial(ZeroState, True), [("input_scale", ("gru",), 0)]),
+    ],
+    ids=["inputs", "inputs all zero", "inputs beside a zero initial state", "zero inputs beside a zero initial state"],
+)
+def test_inputs_that_are_all_zero_are_named_at_the_layer_taking_them(
+    tmp_path: Path, build: Callable[[], pl.LightningModule], expected: list[tuple[str, tuple[str, ...], int]]
+) -> None:
+    # A batch of zeros (data never loaded into its buffer) gives every sample the same output: the loss stays at
+    # chance and nothing was named, as `input_scale` judged inputs too large or too small, not absent. An all-zero
+    # initial state beside real inputs is no such batch.
+    pl.seed_everything(0, verbose=False)
+    assert [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=30, every=5)] == expected
