@@ -589,6 +589,7 @@ class HealthMonitor(StatsCallback):
             step=step,
             order=[*executed, *(name for name in self._order if name not in ran)],
             executed=executed,
+            last_calls={label(name): call for name, call in self._units.last_call.items()},
             adaptive=frozenset(self._adaptive),
             squashing=self._squashing,
             lrs=self._lrs,

@@ -109,6 +109,7 @@ class Snapshot:
     leaves_with_params: frozenset[str] = frozenset()
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
+    last_calls: dict[str, int] = field(default_factory=dict)  # per leaf that ran, when it ran last (a call count)
     adaptive: frozenset[str] = frozenset()  # layers an adaptive optimizer (anything but SGD) updates
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
     inputs: dict[str, float] = field(default_factory=dict)  # per batch tensor but masks (path), finite non-zeros' RMS
@@ -805,10 +806,11 @@ def giant_steps(snap: Snapshot, skip: frozenset[str] = frozenset()) -> list[Evid
 
 
 def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
-    """NaN/Inf in a layer's output (the first in model order; said to come from its weights when they are NaN/Inf
-    too, written by an earlier step), else in a parameter gradient (the layer nearest the output: the backward made
-    them there and every layer before it gets them; not with the step's loss NaN/Inf, which made them), or in a step's
-    loss.
+    """NaN/Inf in a layer's output (the first to hold them, a module that runs more than once counted at its last
+    call: a module run twice, an activation or a dropout, passes on what the layers before it made far more often
+    than it makes NaN/Inf; said to come from its weights when they are NaN/Inf too, written by an earlier step),
+    else in a parameter gradient (the layer nearest the output: the backward made them there and every layer before
+    it gets them; not with the step's loss NaN/Inf, which made them), or in a step's loss.
 
     Gradients that a ``GradScaler`` found overflowing, and skipped, are fp16 loss scaling at work while its scale
     stays at least 1 (``snap.skipped_at_scale``): it halves the scale and goes on. Below 1 they overflow unscaled.
@@ -825,11 +827,14 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     spread = bad_losses or any(s.nonfinite for s in snap.grads.values())
     # A layer's output, or its units after the functional operations that took it to the next layer (log, division)
     after = {n for n in snap.activated if _nonfinite_units(snap.units.get(n, ()), bool(spread))}
-    outputs = [  # execution order
+    outputs = [
         name
         for name, state in ((n, snap.activations.get(n)) for n in snap.order)
         if state is not None and (state.nonfinite > 0 and (spread or _has_nan(state)) or name in after)
     ]
+    # in the order their last calls ran: a module that runs twice (a ResNet block's one ReLU, after its first
+    # convolution and after the sum) holds the NaN of its last call, made by the layers that ran in between
+    outputs.sort(key=lambda name: snap.last_calls.get(name, math.inf))
     # The backward runs from the loss: what it made NaN/Inf in a layer, every layer before it gets. With the step's
     # loss NaN/Inf, the loss made them.
     grads = [
@@ -845,7 +850,7 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             else ""
         )
         said = (
-            f"the output of `{label(layers[0])}`{made} holds NaN/Inf values (the first in model order of {len(layers)})"
+            f"the output of `{label(layers[0])}`{made} holds NaN/Inf values (the first of {len(layers)} to hold them)"
         )
         if not math.isfinite(snap.weights.get(layers[0], 0.0)):
             said += (

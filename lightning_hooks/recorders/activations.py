@@ -95,13 +95,14 @@ class UnitRecorder:
     their norms) or a feature of anything else (``(N, F)``, ``(N, T, F)``). Each floating-point output is one vector
     under ``("units", <layer>[.out.<path>])``, pooled by ``+`` over calls, micro-batches and (fetched ``across``)
     processes; ``samples`` counts the values each unit of a key saw here since :meth:`start`, ``order`` the modules
-    as they first ran. A module that also runs on outputs of another width (SegFormer applies one dropout after two
-    layers) has other units there: each other width gets a key of its own, ``<layer>.out.<path>[<width>]``.
-    Sigmoid, tanh and softmax modules also count their saturated outputs (within 0.1 % of their bounds; a
-    softmax's rows by their largest value) under ``("sat", <layer>)``, out of ``saturable[<layer>]``. When the last
-    module to run is one of them, :meth:`watch_last_squashed` sums the gradient its output gets under ``("rowsum",
-    <layer>)`` (see :class:`_RowSums`): zero row sums mean the loss took its outputs for logits, as ``cross_entropy``
-    does, nothing left unexplained by a sigmoid of the loss's own, as ``binary_cross_entropy_with_logits`` does.
+    as they first ran, ``last_call`` when each ran last. A module that also runs on outputs of another width
+    (SegFormer applies one dropout after two layers) has other units there: each other width gets a key of its own,
+    ``<layer>.out.<path>[<width>]``. Sigmoid, tanh and softmax modules also count their saturated outputs (within
+    0.1 % of their bounds; a softmax's rows by their largest value) under ``("sat", <layer>)``, out of
+    ``saturable[<layer>]``. When the last module to run is one of them, :meth:`watch_last_squashed` sums the
+    gradient its output gets under ``("rowsum", <layer>)`` (see :class:`_RowSums`): zero row sums mean the loss took
+    its outputs for logits, as ``cross_entropy`` does, nothing left unexplained by a sigmoid of the loss's own, as
+    ``binary_cross_entropy_with_logits`` does.
 
     Example::
 
@@ -123,6 +124,11 @@ class UnitRecorder:
         self.per_unit: set[tuple[str, str]] = set()
         """The keys whose vector has one sum per unit (the others' is one sum for the whole output)."""
         self.order: dict[str, None] = {}
+        self.calls = 0
+        self.last_call: dict[str, int] = {}
+        """Per module of :attr:`order`, the index of its latest call among this step's calls of hooked modules (a
+        module that runs twice, as each torchvision ResNet block runs its one ReLU, runs last after the layers
+        between)."""
         self.with_grad: set[str] = set()
         """The modules of :attr:`order` that ran with gradients enabled (not under ``torch.no_grad()``)."""
         self.widths: dict[tuple[str, str], int] = {}
@@ -165,6 +171,7 @@ class UnitRecorder:
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
+        self.calls, self.last_call = 0, {}
         self.last_squashed = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
         self.made, self.activated, self.carried = {}, {}, {}
@@ -208,6 +215,8 @@ class _UnitHook:
         if not recorder.batch.open:
             return
         recorder.order[self.name] = None
+        recorder.calls += 1
+        recorder.last_call[self.name] = recorder.calls
         if torch.is_grad_enabled():
             recorder.with_grad.add(self.name)
         if recorder.batch_tensors:

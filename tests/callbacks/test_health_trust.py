@@ -2141,3 +2141,32 @@ def test_inputs_that_are_all_zero_are_named_at_the_layer_taking_them(
     # initial state beside real inputs is no such batch.
     pl.seed_everything(0, verbose=False)
     assert [(f.check, f.layers, f.step) for f in fit(tmp_path, build(), steps=30, every=5)] == expected
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: one ``self.relu`` runs twice, after the first convolution and after the sum."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(out + x)
+
+
+def test_a_nan_passed_on_by_a_module_run_twice_is_named_where_it_was_made(tmp_path: Path) -> None:
+    # The first layer holding NaN was taken in the order the modules first ran: the block's ReLU, first run before
+    # `conv2`, was named for the Inf that `conv2` made (an overflow from step 4) and the ReLU's second call passed on.
+    blocks = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), BasicBlock(8), BasicBlock(8))
+    model = classification(nn.Sequential(blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)), width=64)
+    model.x = model.x.view(-1, 1, 8, 8)
+
+    def overflow(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        return output * 1e39 if model.trainer.global_step >= 4 else None
+
+    blocks[2].conv2.register_forward_hook(overflow)
+    nonfinite = [f for f in fit(tmp_path, model, steps=8, every=2) if f.check == "nonfinite"]
+    assert [(f.layers[0], f.step) for f in nonfinite] == [("net.0.2.conv2", 4)]
