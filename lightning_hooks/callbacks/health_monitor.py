@@ -415,7 +415,7 @@ class HealthMonitor(StatsCallback):
         sharded = {"grads", "update", "weight"} if self._sharded else set()
         per_unit = frozenset(self._units.per_unit)
         fetched = self._batch.fetch(
-            self._across(trainer, {"units", "fed", "sat", "input", "taken", "entry", *sharded}, per_unit)
+            self._across(trainer, {"units", "fed", "after", "sat", "input", "taken", "entry", *sharded}, per_unit)
         )
         snap = self._snapshot(fetched, step, ring_steps, with_norms, trainer)
         self._carry, self._missing = [], {}  # the zero_grad hooks' sign copies are not kept to the next logging step
@@ -539,6 +539,15 @@ class HealthMonitor(StatsCallback):
         for key, values in vectors.items():
             if key[0] == "fed" and key[1] in outputs and key[1] not in units:
                 units[key[1]], activated[key[1]] = values, self._units.activated.get(key[1], "an operation")
+        shared = {}  # a layer's units after a module without weights that also took other layers' outputs
+        for key, values in vectors.items():
+            if (
+                key[0] == "after"
+                and len(self._units.sources.get(taker := self._units.after.get(key[1], ""), ())) > 1
+                and key[1] in outputs
+                and key[1] not in units
+            ):
+                units[key[1]], shared[key[1]] = values, taker
         for carrier, (maker, width, ops) in self._units.carried.items():
             # a dropout or pooling module that took them: its units are the layer's
             if len(units.get(carrier, ())) == width and maker in outputs and maker not in units:
@@ -622,6 +631,7 @@ class HealthMonitor(StatsCallback):
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
             activated=activated,
+            shared=shared,
             grads={layer: combine(states) for layer, states in params.items()},
             ratios=ratios,
             weights=weight_norms,

@@ -92,6 +92,8 @@ class Snapshot:
     units: dict[str, list[float]] = field(default_factory=dict)  # per output unit, its sum of squares (0: dead)
     activated: dict[str, str] = field(default_factory=dict)  # layers whose units are counted after the functional
     # operations (``F.relu``) that took their output to the next layer: those operations
+    shared: dict[str, str] = field(default_factory=dict)  # layers whose units are counted after a module without
+    # weights that took their output and other layers' too (a ResNet block's one ReLU): that module
     grads: dict[str, State] = field(default_factory=dict)  # each layer's parameter gradients pooled
     ratios: dict[str, float] = field(default_factory=dict)  # ||Δw|| / ||w|| per layer
     weights: dict[str, float] = field(default_factory=dict)  # ||w|| per layer
@@ -189,7 +191,8 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
     silent: layers with weights fed only zeros give out their biases alone, so the next layer with dead units is not
     named again either (the dropout after a transformer MLP's output projection, whose bias starts at zero; the ReLU
     after the convolution and batch norm that a dead ReLU feeds). A layer whose units are counted after a functional
-    activation (:attr:`Snapshot.activated`) is named with it."""
+    activation (:attr:`Snapshot.activated`), or after a module run on other layers' outputs too
+    (:attr:`Snapshot.shared`), is named with it."""
     silent = silent_units(snap) if silent is None else silent
     found: list[Evidence] = []
     previous_dead = False  # the last layer without weights was dead, and no layer with weights ran since
@@ -208,6 +211,7 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
         is_dead = share >= line and (dead >= MIN_DEAD or every)
         if is_dead and not previous_dead and not after_silent:
             after = f" after `{snap.activated[name]}` (in forward)" if name in snap.activated else ""
+            after = f" after `{label(snap.shared[name])}`" if name in snap.shared else after
             said = (
                 f"{dead} of {len(flags)} output units of `{label(name)}`{after} were zero for every sample of every "
                 f"batch checked ({share:.0%}): they pass no gradient back; "

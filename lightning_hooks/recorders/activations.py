@@ -161,6 +161,14 @@ class UnitRecorder:
         """Per dropout or pooling module that took a module's output with weights through functional operations
         (``self.dropout(F.relu(self.linear1(x)))``, as ``nn.TransformerEncoderLayer`` does): that module, its unit
         count and the operations. Its dead units are that module's, dead after its activation."""
+        self.sources: dict[str, set[str | None]] = {}
+        """Per module without weights whose units are counted, the modules with weights whose outputs it took as they
+        came (``None``: anything else, such as a sum). One that took several (torchvision's ResNet block runs its one
+        ReLU after ``bn1`` and after the sum) pools different units under its key: the sums of squares of each
+        call's units also go under ``("after", <that module>)``, their units after it (see :attr:`after`)."""
+        self.after: dict[str, str] = {}
+        """Per module with weights under an ``("after", <module>)`` key, the module without weights that took its
+        output."""
         self.activated: dict[str, str] = {}
         """Per module with weights whose output reached a linear or convolution layer through functional operations
         only (``F.relu``): those operations, nearest the module first. The sums of squares of the units that layer
@@ -174,7 +182,7 @@ class UnitRecorder:
         self.calls, self.last_call = 0, {}
         self.last_squashed = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
-        self.made, self.activated, self.carried = {}, {}, {}
+        self.made, self.activated, self.carried, self.sources, self.after = {}, {}, {}, {}, {}
 
     def input_sums(self, t: torch.Tensor) -> torch.Tensor:
         """:func:`~lightning_hooks.stats.state.input_sums` of ``t``, taken once while it stays the same object at the
@@ -235,6 +243,10 @@ class _UnitHook:
             made = _made_by(recorder, args[0]) if isinstance(args[0], torch.Tensor) else None
             if made is not None and not made[2]:
                 recorder.carried[self.name] = (made[0], made[1], made[3])
+        source = None  # the module with weights whose output this one took as it came
+        if recorder.activations and self.units and args and isinstance(args[0], torch.Tensor):
+            source = _source(recorder, args[0], output)
+            recorder.sources.setdefault(self.name, set()).add(source[0] if source is not None else None)
         if (
             recorder.activations
             and isinstance(output, torch.Tensor)
@@ -254,9 +266,13 @@ class _UnitHook:
                 if recorder.widths.setdefault(key, x.shape[dim]) != x.shape[dim]:
                     key = recorder.keys.eager(self.name, f"{path}[{x.shape[dim]}]")
                     recorder.widths[key] = x.shape[dim]
-                recorder.batch.add_vector(key, _per_unit(squares, dim))
+                per_unit = _per_unit(squares, dim)
+                recorder.batch.add_vector(key, per_unit)
                 recorder.per_unit.add(key)
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
+                if source is not None and not path and source[1] == x.shape[dim]:
+                    recorder.batch.add_vector(("after", source[0]), per_unit)
+                    recorder.after[source[0]] = self.name
             else:
                 recorder.batch.add_vector(key, squares.sum())
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
@@ -318,6 +334,16 @@ def _made_by(recorder: UnitRecorder, x: torch.Tensor) -> tuple[str, int, bool, s
         frontier = parents
         ops += [p.name() for p in parents[:1]]
     return None
+
+
+def _source(recorder: UnitRecorder, x: torch.Tensor, output: Any) -> tuple[str, int] | None:
+    """The module with weights whose output ``x`` is, as it came, and its unit count: ``x``'s autograd node, or the
+    one before it where ``x`` is the module's ``output`` too (``nn.ReLU(inplace=True)`` wrote over it)."""
+    node = x.grad_fn
+    if node is not None and x is output:
+        node = node.next_functions[0][0] if node.next_functions else None
+    made = recorder.made.get(node) if node is not None else None
+    return (made[0], made[1]) if made is not None and not made[2] else None
 
 
 def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:

@@ -180,9 +180,11 @@ class SharedReLU(torch.nn.Sequential):
 
 
 def test_a_module_run_on_two_widths_is_judged_on_its_first(tmp_path: Path) -> None:
-    # Before: the second width's unit sums were added to the first's, and the fit died of a size mismatch.
+    # Before: the second width's unit sums were added to the first's, and the fit died of a size mismatch. The ReLU
+    # took two layers' outputs: the dead units are named at the layer that fed it them.
     monitor, _ = fit(tmp_path, lambda: planted.Planted(SharedReLU()), steps=6)
-    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.1",), 1.0)]
+    assert [(f.check, f.layers, f.value) for f in monitor.findings] == [("dead_units", ("net.0",), 1.0)]
+    assert "of `net.0` after `net.1` were zero" in monitor.findings[0].message
 
 
 def test_checks_not_asked_for_are_not_run(tmp_path: Path) -> None:

@@ -2170,3 +2170,18 @@ def test_a_nan_passed_on_by_a_module_run_twice_is_named_where_it_was_made(tmp_pa
     blocks[2].conv2.register_forward_hook(overflow)
     nonfinite = [f for f in fit(tmp_path, model, steps=8, every=2) if f.check == "nonfinite"]
     assert [(f.layers[0], f.step) for f in nonfinite] == [("net.0.2.conv2", 4)]
+
+
+@pytest.mark.parametrize("dead", [False, True], ids=["healthy", "bn1's bias at -10"])
+def test_dead_units_behind_a_module_run_twice_are_named_at_the_layer_feeding_it(tmp_path: Path, dead: bool) -> None:
+    # A ResNet block's one ReLU runs after `bn1` and after the sum: its units were pooled over both calls, and the
+    # channels dead after `bn1` (alive after the sum) were never seen.
+    pl.seed_everything(0, verbose=False)
+    blocks = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), BasicBlock(8), BasicBlock(8))
+    if dead:
+        nn.init.constant_(blocks[1].bn1.bias, -10.0)
+    model = classification(nn.Sequential(blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)), width=64)
+    model.x = model.x.view(-1, 1, 8, 8)
+    findings = fit(tmp_path, model, steps=20, every=5)
+    assert [(f.check, f.layers, f.step) for f in findings] == ([("dead_units", ("net.0.1.bn1",), 0)] if dead else [])
+    assert all("after `net.0.1.relu`" in f.message for f in findings)
