@@ -338,8 +338,7 @@ class HealthMonitor(StatsCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         overflow = overflow_flags(self._scaler, optimizer)
-        if self._ring is not None:
-            self._ring.norms(self._step_now(), logging=self.gate.is_open, overflow=overflow)
+        norms = None  # the watched gradients' 2-norms, where this logging step read them all
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._overflow += overflow
             for group in optimizer.param_groups:
@@ -356,9 +355,11 @@ class HealthMonitor(StatsCallback):
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not isinstance(optimizer, torch.optim.SGD):
                 self._adaptive.update(layer for i in stepped if (layer := self._layer_of.get(i)) is not None)
-            self._record_grads(stepped)
+            norms = self._record_grads(stepped)
             self._record_carried(stepped)
             self._grads.record(self._params, optimizer, self._step_handles)
+        if self._ring is not None:
+            self._ring.norms(self._step_now(), logging=self.gate.is_open, overflow=overflow, taken=norms)
 
     def _record_carried(self, stepped: set[int]) -> None:
         """Under manual optimization, for the followed parameters that the optimizer steps (the ids ``stepped``):
@@ -374,9 +375,11 @@ class HealthMonitor(StatsCallback):
         """The current batch's optimizer step, read once at its start: the recorded one, or :meth:`due_step`'s."""
         return self.batch_step if self.gate.step is None else self.gate.step
 
-    def _record_grads(self, stepped: set[int]) -> None:
+    def _record_grads(self, stepped: set[int]) -> torch.Tensor | None:
         """Each watched gradient's L1 norm and squared L2 norm, of the parameters the optimizer steps (the ids
-        ``stepped``), as one vector (not read twice); and which of them it steps without a gradient."""
+        ``stepped``), as one vector (not read twice, and added up over processes where some parameter is sharded);
+        and which of them it steps without a gradient. Their L2 norms when they are every watched gradient and none is
+        sharded: the ring's row of the step."""
         read = [(n, p) for n, p in self._params if p.grad is not None and id(p) in stepped and id(p) not in self._read]
         self._missing.update((n, p) for n, p in self._params if p.grad is None and p.requires_grad and id(p) in stepped)
         self._gradless = self._gradless is not False and not read and any(id(p) in stepped for _, p in self._params)
@@ -388,6 +391,9 @@ class HealthMonitor(StatsCallback):
             values = gradient_norms([dense_gradient(g) for g in part])
             self._grad_names.append([name for name, _ in read])
             self._batch.add_vector(("grads", str(len(self._grad_names) - 1)), values)
+            if len(read) == len(self._params) and not self._sharded:
+                return values[len(read) :].sqrt()
+        return None
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -409,6 +415,8 @@ class HealthMonitor(StatsCallback):
             )
         if self._watch_outputs and "dead_units" in self.checks:
             self._add_pruned()
+            self._units.add_shared()
+        self._units.per_source = {}  # nor the unit sums it kept
         if self._watch_outputs and "no_learning" in self.checks:
             self._add_ungraded()
         # Gradients are all-reduced under DDP; under FSDP2 each process has its shard's norms, pooled here.
@@ -541,13 +549,8 @@ class HealthMonitor(StatsCallback):
                 units[key[1]], activated[key[1]] = values, self._units.activated.get(key[1], "an operation")
         shared = {}  # a layer's units after a module without weights that also took other layers' outputs
         for key, values in vectors.items():
-            if (
-                key[0] == "after"
-                and len(self._units.sources.get(taker := self._units.after.get(key[1], ""), ())) > 1
-                and key[1] in outputs
-                and key[1] not in units
-            ):
-                units[key[1]], shared[key[1]] = values, taker
+            if key[0] == "after" and key[1] in outputs and key[1] not in units:
+                units[key[1]], shared[key[1]] = values, self._units.after.get(key[1], "a module")
         for carrier, (maker, width, ops) in self._units.carried.items():
             # a dropout or pooling module that took them: its units are the layer's
             if len(units.get(carrier, ())) == width and maker in outputs and maker not in units:
@@ -765,7 +768,10 @@ class _LossRing:
             self.grad_norms.pop(oldest, None)
             self.overflow.pop(oldest, None)
 
-    def norms(self, step: int, logging: bool, overflow: list[torch.Tensor] | None = None) -> None:
+    def norms(
+        self, step: int, logging: bool, overflow: list[torch.Tensor] | None = None, taken: torch.Tensor | None = None
+    ) -> None:
+        """Keep the step's per-parameter gradient norms: ``taken`` where the logging step took them already."""
         if step in self.grad_norms:  # a further optimizer of the step
             return
         # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
@@ -774,13 +780,16 @@ class _LossRing:
         quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
         if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
             return
-        zero = self.zero
-        grads = [zero if p.grad is None else local(p.grad) for p in self.params]
-        try:
-            norms = torch._foreach_norm(grads)
-        except (NotImplementedError, RuntimeError):  # a sparse gradient
-            norms = torch._foreach_norm([dense_gradient(g) for g in grads])
-        self.grad_norms[step] = torch.stack(norms)
+        if taken is not None:
+            self.grad_norms[step] = taken
+        else:
+            zero = self.zero
+            grads = [zero if p.grad is None else local(p.grad) for p in self.params]
+            try:
+                norms = torch._foreach_norm(grads)
+            except (NotImplementedError, RuntimeError):  # a sparse gradient
+                norms = torch._foreach_norm([dense_gradient(g) for g in grads])
+            self.grad_norms[step] = torch.stack(norms)
         if overflow:
             self.overflow[step] = overflow[0] if len(overflow) == 1 else torch.stack(overflow).sum()
 

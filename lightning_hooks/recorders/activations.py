@@ -164,18 +164,21 @@ class UnitRecorder:
         self.sources: dict[str, set[str | None]] = {}
         """Per module without weights whose units are counted, the modules with weights whose outputs it took as they
         came (``None``: anything else, such as a sum). One that took several (torchvision's ResNet block runs its one
-        ReLU after ``bn1`` and after the sum) pools different units under its key: the sums of squares of each
-        call's units also go under ``("after", <that module>)``, their units after it (see :attr:`after`)."""
+        ReLU after ``bn1`` and after the sum) pools different units under its key: :meth:`add_shared` adds the sums of
+        squares of each call's units under ``("after", <that module>)``, their units after it (see :attr:`after`)."""
         self.after: dict[str, str] = {}
         """Per module with weights under an ``("after", <module>)`` key, the module without weights that took its
         output."""
+        self.per_source: dict[tuple[str, str], list[torch.Tensor]] = {}
+        """This step's unit sums of squares of each call of a module without weights, by the module and its source."""
         self.activated: dict[str, str] = {}
         """Per module with weights whose output reached a linear or convolution layer through functional operations
         only (``F.relu``): those operations, nearest the module first. The sums of squares of the units that layer
         took go under ``("fed", <module>)``: they are the module's units after its activation."""
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "made": {}, "last_squashed": None, "sums": {}}  # a step's autograd nodes and tensors
+        # a step's autograd nodes and tensors
+        return {**self.__dict__, "made": {}, "last_squashed": None, "sums": {}, "per_source": {}}
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
@@ -183,6 +186,7 @@ class UnitRecorder:
         self.last_squashed = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
         self.made, self.activated, self.carried, self.sources, self.after = {}, {}, {}, {}, {}
+        self.per_source = {}
 
     def input_sums(self, t: torch.Tensor) -> torch.Tensor:
         """:func:`~lightning_hooks.stats.state.input_sums` of ``t``, taken once while it stays the same object at the
@@ -198,6 +202,16 @@ class UnitRecorder:
         found, self.last_squashed = self.last_squashed, None
         if found is not None and self.order and next(reversed(self.order)) == found[0]:
             found[1].register_hook(_RowSums(self.batch, found[0], found[1].detach(), found[2]))
+
+    def add_shared(self) -> None:
+        """At the step's end, the units of each module with weights whose output a module without weights took, that
+        module having taken other outputs too (see :attr:`sources`), under ``("after", <module with weights>)``."""
+        for (name, source), sums in self.per_source.items():
+            if len(self.sources.get(name, ())) > 1:
+                self.after[source] = name
+                for per_unit in sums:
+                    self.batch.add_vector(("after", source), per_unit)
+        self.per_source = {}
 
     def attach(self, modules: Sequence[tuple[str, nn.Module]], handles: HookHandles) -> None:
         hooks = []
@@ -271,8 +285,7 @@ class _UnitHook:
                 recorder.per_unit.add(key)
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel() // max(x.shape[dim], 1)
                 if source is not None and not path and source[1] == x.shape[dim]:
-                    recorder.batch.add_vector(("after", source[0]), per_unit)
-                    recorder.after[source[0]] = self.name
+                    recorder.per_source.setdefault((self.name, source[0]), []).append(per_unit)
             else:
                 recorder.batch.add_vector(key, squares.sum())
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
