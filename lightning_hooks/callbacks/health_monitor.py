@@ -299,10 +299,13 @@ class HealthMonitor(StatsCallback):
     ) -> None:
         self._previous_batch_step = self.batch_step  # due_step reads this batch's (global_step: a chain of properties)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if "input_scale" in self.checks and self._batch.open:
+        if self._batch.open and ("input_scale" in self.checks or "saturation" in self.checks):
             # a previous micro-batch's were freed
             self._units.batch_tensors, self._units.batch_sizes, self._units.sums = {}, {}, {}
             floats = [(path, t) for path, t in named_tensors(batch) if t.is_floating_point() and t.numel()]
+            self._units.target_numel = floats[-1][1].numel() if len(floats) > 1 else None
+            if "input_scale" not in self.checks:
+                return
             for i, (path, t) in enumerate(floats):
                 self._batch.add_vector(("input", path), self._units.input_sums(t))
                 if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
@@ -405,7 +408,7 @@ class HealthMonitor(StatsCallback):
     def _emit(self, trainer: pl.Trainer, step: int) -> None:
         if self._watch_outputs:
             self._check_fired(trainer, step, self._leaves)  # only the leaves are hooked: a container is not silent
-        self._units.last_squashed = None  # a forward that no backward followed: not kept past the step
+        self._units.last_squashed = self._units.last_clamped = None  # a forward no backward followed: not kept
         self._units.made, self._units.sums = {}, {}  # nor its autograd nodes, nor the batch sums it kept
         ring_steps, with_norms = self._ring.hand_over(self._batch) if self._ring is not None else ([], set())
         scale = loss_scale(self._scaler)  # as updated after the step
@@ -597,6 +600,7 @@ class HealthMonitor(StatsCallback):
         executed = [label(name) for name in self._units.order]
         ran = set(executed)
         output_grads = {label(k[1]): v for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0}
+        clamped = {label(k[1]): v[0] / v[1] for k, v in vectors.items() if k[0] == "clamped" and v[1] > 0}
         return Snapshot(
             step=step,
             order=[*executed, *(name for name in self._order if name not in ran)],
@@ -631,6 +635,7 @@ class HealthMonitor(StatsCallback):
             },
             row_sums={layer: rows / size for layer, (rows, size, _) in output_grads.items()},
             sigmoid_misfit={layer: misfit / size for layer, (_, size, misfit) in output_grads.items()},
+            clamped=clamped,
             activations={layer: combine(states) for layer, states in outputs.items()},
             units=units,
             activated=activated,

@@ -119,6 +119,8 @@ class Snapshot:
     squashing: dict[str, str] = field(default_factory=dict)  # per sigmoid, tanh and softmax layer: which
     row_sums: dict[str, float] = field(default_factory=dict)  # the output layer's gradient: Σ |row sums| / Σ |g|
     sigmoid_misfit: dict[str, float] = field(default_factory=dict)  # and its share a loss's own sigmoid leaves out
+    clamped: dict[str, float] = field(default_factory=dict)  # a ReLU output layer: its gradient's share that pushes
+    # outputs held at zero below it
     lrs: dict[str, float] = field(default_factory=dict)  # per layer, its group's learning rate (NaN: the optimizer's)
     eps: dict[str, float] = field(default_factory=dict)  # per layer, its adaptive optimizer's eps (where it has one)
     decay: dict[str, tuple[float, float]] = field(default_factory=dict)  # per layer with a weight decay: its value,
@@ -927,6 +929,10 @@ ROWS_SUM_TO_ZERO = 1e-3
 """An output layer's gradient sums to zero over each row, up to this share of its magnitude: its outputs went into a
 loss that applies a softmax of its own (exactly zero but for rounding; a loss of a softmax's probabilities
 themselves, such as the NLL of their log, sums to its whole magnitude)."""
+CLAMPED = 0.25
+"""``saturation`` names a ReLU that gives the model's output (as many values as the targets) when at least this share
+of the gradient the loss gives it asks outputs it holds at zero to go lower: targets below zero, which it cannot give
+(none when the targets are never negative, as counts are: an output at zero is then above or at its target)."""
 SIGMOID_FITS = 1e-3
 """An output layer's gradient is ``binary_cross_entropy_with_logits``'s of it, up to this share of its magnitude beyond
 its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in float32 and bfloat16 alike; at least
@@ -1086,7 +1092,8 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
     of its own, so a softmax's gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's
     confidence; or whose gradient is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a
     sigmoid of its own. A loss of a softmax's probabilities themselves (``nll_loss`` of their log, a
-    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning)."""
+    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning). Also a ReLU
+    that gives the model's output and holds at zero outputs the loss pushes below it (:data:`CLAMPED`)."""
     found = []
     last = snap.executed[-1] if snap.executed else ""
     kind = snap.squashing.get(last, "")
@@ -1108,6 +1115,14 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
                 f"pushes against them; give the loss the unbounded logits (remove the {kind})."
             )
         found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
+    elif (share := snap.clamped.get(last, 0.0)) >= CLAMPED:
+        said = (
+            f"the model's output comes from the ReLU `{label(last)}`, which holds it at zero where the loss asks for "
+            f"less: {share:.0%} of the loss's gradient pushes outputs at zero below it, as targets below zero do "
+            f"(standardised regression targets are half negative); remove the ReLU after the output layer, or give "
+            f"targets that are never negative."
+        )
+        found.append(Evidence("saturation", (label(last),), share, CLAMPED, said))
     elif kind and snap.sigmoid_misfit.get(last, math.inf) <= SIGMOID_FITS:
         low, high = ("0.27", "0.73") if kind == "tanh" else ("0.5", "0.73")
         said = (

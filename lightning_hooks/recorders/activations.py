@@ -137,6 +137,11 @@ class UnitRecorder:
         self.last_squashed: tuple[str, torch.Tensor, int] | None = None
         """The latest sigmoid, tanh or softmax output that requires a gradient: its layer, the tensor and the dimension
         of its rows."""
+        self.last_clamped: tuple[str, torch.Tensor] | None = None
+        """The latest ReLU output that requires a gradient and has as many values as the batch's targets (see
+        :attr:`target_numel`): its layer and the tensor."""
+        self.target_numel: int | None = None
+        """The number of values of the batch's last floating-point tensor of several (regression targets)."""
         self.prepend = False
         """Hook before the modules' other forward hooks (see :attr:`ActivationRecorder.prepend`)."""
         self.batch_tensors: dict[int, str] = {}
@@ -178,12 +183,12 @@ class UnitRecorder:
 
     def __getstate__(self) -> dict[str, Any]:
         # a step's autograd nodes and tensors
-        return {**self.__dict__, "made": {}, "last_squashed": None, "sums": {}, "per_source": {}}
+        return {**self.__dict__, "made": {}, "last_squashed": None, "last_clamped": None, "sums": {}, "per_source": {}}
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
         self.calls, self.last_call = 0, {}
-        self.last_squashed = None
+        self.last_squashed = self.last_clamped = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
         self.made, self.activated, self.carried, self.sources, self.after = {}, {}, {}, {}, {}
         self.per_source = {}
@@ -198,10 +203,16 @@ class UnitRecorder:
 
     def watch_last_squashed(self) -> None:
         """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
-        (only the model's output layer is judged by it, so an attention's softmax is left alone)."""
+        (only the model's output layer is judged by it, so an attention's softmax is left alone); if it was a ReLU
+        whose output has as many values as the targets, sum the gradient that pushes its zeros down (see
+        :class:`_Clamped`)."""
         found, self.last_squashed = self.last_squashed, None
-        if found is not None and self.order and next(reversed(self.order)) == found[0]:
+        clamped, self.last_clamped = self.last_clamped, None
+        last = next(reversed(self.order)) if self.order else None
+        if found is not None and last == found[0]:
             found[1].register_hook(_RowSums(self.batch, found[0], found[1].detach(), found[2]))
+        if clamped is not None and last == clamped[0]:
+            clamped[1].register_hook(_Clamped(self.batch, clamped[0], clamped[1].detach()))
 
     def add_shared(self) -> None:
         """At the step's end, the units of each module with weights whose output a module without weights took, that
@@ -245,6 +256,13 @@ class _UnitHook:
             _follow_batch(recorder, self.name, args)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
             _squashed(recorder, self.name, module, output)
+        elif (
+            isinstance(module, _CLAMPING)
+            and isinstance(output, torch.Tensor)
+            and output.requires_grad
+            and output.numel() == recorder.target_numel
+        ):
+            recorder.last_clamped = (self.name, output)  # autograd keeps a ReLU's output for backward anyway
         if (
             recorder.activations
             and not self.units
@@ -379,6 +397,8 @@ def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> No
 
 
 _SATURABLE = (nn.Sigmoid, nn.Tanh, nn.Softmax)
+_CLAMPING = (nn.ReLU, nn.ReLU6)
+"""Modules whose outputs stop at zero: after a model's output layer, no prediction can be negative."""
 
 
 def _squashed(recorder: UnitRecorder, name: str, module: nn.Module, output: torch.Tensor) -> None:
@@ -438,6 +458,20 @@ class _RowSums:
         unexplained = torch.where(g != 0, miss.clamp(min=0), 0.0).sum()  # beyond the gradient's own rounding
         rows = g.sum(self.dim).abs().sum()
         self.batch.add_vector(("rowsum", self.name), torch.stack([rows, g.abs().sum(), unexplained]))
+
+
+class _Clamped:
+    """A ReLU output's gradient hook: adds ``[Σ g where the output is 0 and g > 0, Σ |g|]`` to the batch, the gradient
+    unchanged. A positive gradient asks for a lower output: at an output held at 0, one the ReLU cannot give (a
+    target below zero, for a squared error)."""
+
+    def __init__(self, batch: StatBatch, name: str, output: torch.Tensor) -> None:
+        self.batch, self.name, self.output = batch, name, output
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        g = grad.detach().float()
+        pushed = torch.where((self.output == 0) & (g > 0), g, 0.0).sum()
+        self.batch.add_vector(("clamped", self.name), torch.stack([pushed, g.abs().sum()]))
 
 
 _CHANNELS_FIRST = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

@@ -2185,3 +2185,23 @@ def test_dead_units_behind_a_module_run_twice_are_named_at_the_layer_feeding_it(
     findings = fit(tmp_path, model, steps=20, every=5)
     assert [(f.check, f.layers, f.step) for f in findings] == ([("dead_units", ("net.0.1.bn1",), 0)] if dead else [])
     assert all("after `net.0.1.relu`" in f.message for f in findings)
+
+
+@pytest.mark.parametrize(
+    ("relu", "targets", "expected"),
+    [(True, "signed", [("saturation", ("net.3",))]), (False, "signed", []), (True, "counts", [])],
+    ids=["ReLU output, standardised targets", "no ReLU", "ReLU output, counts"],
+)
+def test_a_relu_after_the_output_layer_of_a_regression_is_named(
+    tmp_path: Path, relu: bool, targets: str, expected: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    # A ReLU after the output layer cannot give the negative half of standardised targets: the loss stalled (0.48
+    # against 0.01 on digits) and nothing was named, as its output unit is not dead for every sample. Counts, never
+    # negative, leave it nothing to push against.
+    pl.seed_everything(0, verbose=False)
+    x = seeded(2048, 8)
+    signal = x @ seeded(8, 1).flip(0)
+    y = signal if targets == "signed" else torch.poisson(signal.exp().clamp(max=20), torch.Generator().manual_seed(1))
+    layers = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1), *([nn.ReLU()] if relu else [])]
+    model = Fit(nn.Sequential(*layers), x, y, lambda m, x, y: F.mse_loss(m(x), y), lr=1e-2)
+    assert [(f.check, f.layers) for f in fit(tmp_path, model, steps=60, every=5)] == expected
