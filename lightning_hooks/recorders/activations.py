@@ -292,8 +292,8 @@ class _UnitHook:
                 continue
             x = counted_part(tensor.detach(), copies_off_mesh=False)  # a DTensor's own part (tensor parallelism)
             key = recorder.keys.key(self.name, path)
-            squares = _squares(x)
             if self.units and x.dim() >= 2:
+                squares = _squares(x)
                 dim = unit_dim(x, self.channels_first)
                 if recorder.widths.setdefault(key, x.shape[dim]) != x.shape[dim]:
                     key = recorder.keys.eager(self.name, f"{path}[{x.shape[dim]}]")
@@ -305,7 +305,7 @@ class _UnitHook:
                 if source is not None and not path and source[1] == x.shape[dim]:
                     recorder.per_source.setdefault((self.name, source[0]), []).append(per_unit)
             else:
-                recorder.batch.add_vector(key, squares.sum())
+                recorder.batch.add_vector(key, _sum_of_squares(x))
                 recorder.samples[key] = recorder.samples.get(key, 0) + x.numel()
 
 
@@ -431,6 +431,13 @@ def _add_saturated(recorder: UnitRecorder, name: str, gap: torch.Tensor, n: int)
 def _squares(x: torch.Tensor) -> torch.Tensor:
     """``x`` squared, in float32 for a half-precision ``x`` (see :data:`_WIDENED`)."""
     return (x.float() if x.dtype in _WIDENED else x).square()
+
+
+def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """``Σ x²`` as one dot product of ``x`` with itself (no squared copy of it), in float32 for a half-precision
+    ``x``."""
+    flat = (x.float() if x.dtype in _WIDENED else x).reshape(-1)
+    return torch.dot(flat, flat)
 
 
 def _per_unit(squares: torch.Tensor, dim: int) -> torch.Tensor:
