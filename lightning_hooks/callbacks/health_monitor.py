@@ -24,7 +24,16 @@ from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import is_layer, label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
 from lightning_hooks.diagnose.checks import STEPLESS, stepless
-from lightning_hooks.diagnose.health import CHECKS, Check, HealthFinding, HealthTracker, Snapshot, Thresholds
+from lightning_hooks.diagnose.health import (
+    CHECKS,
+    SPIKE_MIN_HISTORY,
+    Check,
+    HealthFinding,
+    HealthTracker,
+    Snapshot,
+    Thresholds,
+    loss_level,
+)
 from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
@@ -271,7 +280,9 @@ class HealthMonitor(StatsCallback):
         self._scaler = loss_scaler(trainer)
         if self._spikes and self._enabled and self._params:
             device = self._params[0][1].device
-            self._ring = _LossRing([p for _, p in self._params], self.every(trainer) + 1, device)
+            self._ring = _LossRing(
+                [p for _, p in self._params], self.every(trainer) + 1, device, self.thresholds.spike_threshold
+            )
 
     @override
     def _attach_compiled(self, modules: list[tuple[str, nn.Module, Region]]) -> None:
@@ -749,10 +760,13 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
 
 class _LossRing:
     """The last ``size`` optimizer steps' losses and per-parameter gradient norms, kept on device until
-    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite."""
+    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite. Before the
+    monitor has a loss history to give ``halfway`` (at the first logging step with :data:`SPIKE_MIN_HISTORY` losses
+    before it), the ring takes it from the losses it holds once they are as many, as the monitor would
+    (``threshold``: its ``spike_threshold``)."""
 
-    def __init__(self, params: list[torch.Tensor], size: int, device: torch.device) -> None:
-        self.params, self.size = params, size
+    def __init__(self, params: list[torch.Tensor], size: int, device: torch.device, threshold: float) -> None:
+        self.params, self.size, self.threshold = params, size, threshold
         self.zero = torch.zeros((), device=device)
         self.losses: dict[int, torch.Tensor] = {}
         self.grad_norms: dict[int, torch.Tensor] = {}
@@ -782,6 +796,11 @@ class _LossRing:
         # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
         # takes the norms only when its loss is half-way to a spike (measured: docs/performance.md, HealthMonitor);
         # on an accelerator deciding would wait for the device.
+        if self._on_host and self.halfway is None and len(self.losses) > SPIKE_MIN_HISTORY:
+            earlier = [loss for kept, loss in self.losses.items() if kept != step]  # read once, when there are enough
+            if history := [x for x in torch.stack(earlier).float().tolist() if math.isfinite(x)]:
+                median, deviation = loss_level(history)
+                self.halfway = median + deviation * self.threshold / 2
         quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
         if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
             return

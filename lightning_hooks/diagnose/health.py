@@ -57,6 +57,7 @@ __all__ = [
     "Thresholds",
     "dead_units",
     "gradient_spread",
+    "loss_level",
 ]
 
 Check = Literal[
@@ -525,11 +526,9 @@ class HealthTracker:
         """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
         if len(self._losses) < SPIKE_MIN_HISTORY:
             return None
-        history = [loss for _, loss in self._losses]
-        median = statistics.median(history)
+        median, deviation = loss_level([loss for _, loss in self._losses], self._top_median)
         self._top_median = max(self._top_median, median)
-        mad = statistics.median(abs(x - median) for x in history)
-        return median, max(MAD_SCALE * mad, SPIKE_FLOOR * self._top_median, 1e-12)
+        return median, deviation
 
     def _spike(
         self,
@@ -568,6 +567,14 @@ class HealthTracker:
         )
         layers = tuple(label(n) for n in worst) or ("root",)
         return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
+
+
+def loss_level(history: Sequence[float], top_median: float = 0.0) -> tuple[float, float]:
+    """The median of the losses ``history`` and their robust deviation: ``1.4826 × MAD``, but at least
+    :data:`SPIKE_FLOOR` of the highest rolling median seen in the fit (``top_median``, or this one)."""
+    median = statistics.median(history)
+    mad = statistics.median(abs(x - median) for x in history)
+    return median, max(MAD_SCALE * mad, SPIKE_FLOOR * max(top_median, median), 1e-12)
 
 
 def _key(e: Evidence) -> tuple[str, tuple[str, ...]]:

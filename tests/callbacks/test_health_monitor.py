@@ -15,7 +15,14 @@ import torch
 from benchmarks import health as planted
 from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
 from lightning_hooks.diagnose.checks import depth_trend
-from lightning_hooks.diagnose.health import HealthTracker, Snapshot, Thresholds, dead_units, gradient_spread
+from lightning_hooks.diagnose.health import (
+    SPIKE_MIN_HISTORY,
+    HealthTracker,
+    Snapshot,
+    Thresholds,
+    dead_units,
+    gradient_spread,
+)
 from lightning_hooks.diagnose.report import summary
 from lightning_hooks.stats.state import State
 from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
@@ -326,7 +333,7 @@ def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_rea
 
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 2.0)
-    ring = _LossRing([weight], size=8, device=torch.device("cpu"))
+    ring = _LossRing([weight], size=8, device=torch.device("cpu"), threshold=20.0)
     for step in (0, 1):  # no loss history yet: every step
         ring.loss(step, torch.tensor(0.5))
         ring.norms(step, logging=False)
@@ -340,6 +347,27 @@ def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_rea
     fetched = batch.fetch()
     assert fetched.vectors[("ring", "norms")] == pytest.approx([math.sqrt(12)] * 5)
     assert fetched.vectors[("ring", "loss")][:5] == [0.5, 0.5, 0.5, 0.5, 3.0]
+
+
+def test_before_the_monitor_has_a_history_the_ring_takes_its_halfway_from_the_first_losses() -> None:
+    # The first logging step's ring had every step's norms (49 rows at step 50), as the monitor's halfway waits for
+    # a history of 20 losses that it only gets at that logging step.
+    from lightning_hooks.callbacks.health_monitor import _LossRing
+    from lightning_hooks.stats.batch import StatBatch
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 2.0)
+    ring = _LossRing([weight], size=64, device=torch.device("cpu"), threshold=20.0)
+    losses = [1.0 + 0.01 * (step % 5) for step in range(SPIKE_MIN_HISTORY)] + [1.02, 9.0, 1.01]
+    for step, loss in enumerate(losses):
+        ring.loss(step, torch.tensor(loss))
+        ring.norms(step, logging=False)
+    batch = StatBatch()
+    batch.start()
+    steps, with_norms = ring.hand_over(batch)
+    # median 1.02, MAD 0.01: half-way at 1.02 + 1.4826 * 0.01 * 20 / 2, but at least 5 % of the median
+    assert with_norms == {*range(SPIKE_MIN_HISTORY), SPIKE_MIN_HISTORY + 1}
+    assert ring.halfway == pytest.approx(1.02 + 0.05 * 1.02 * 10)
 
 
 def test_the_monitor_pickles_during_fit_without_the_model(tmp_path: Path) -> None:
