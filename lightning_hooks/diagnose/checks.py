@@ -960,9 +960,7 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
     rescaled = []  # the RMS of the inputs the model brought to unit scale itself
     for path, rms in snap.inputs.items():
         target = len(paths) > 1 and path == paths[-1]
-        taker, took = snap.input_takers.get(path), snap.taken.get(path, rms)
-        if taker is None and not target and snap.entry is not None:
-            taker, took = snap.entry
+        taker, took = _taker(snap, path, rms, entry=not target)
         side = _off_scale(rms)
         if not side:
             continue
@@ -999,10 +997,8 @@ def absent_inputs(snap: Snapshot) -> list[Evidence]:
     if any(rms != 0 for rms in inputs.values()):  # another input carries the samples (an RNN's zero initial state)
         return []
     found = []
-    for path in inputs:
-        taker, took = snap.input_takers.get(path), snap.taken.get(path, 0.0)
-        if taker is None and snap.entry is not None:
-            taker, took = snap.entry
+    for path, rms in inputs.items():
+        taker, took = _taker(snap, path, rms)
         if taker is None or took != 0:
             continue
         said = (
@@ -1013,6 +1009,15 @@ def absent_inputs(snap: Snapshot) -> list[Evidence]:
         )
         found.append(Evidence("input_scale", (label(taker),), 0.0, 0.0, said))
     return found
+
+
+def _taker(snap: Snapshot, path: str, rms: float, entry: bool = True) -> tuple[str | None, float]:
+    """The layer that took the batch tensor ``path`` (of RMS ``rms``) and the RMS of what it took; else, with
+    ``entry``, the first layer to take a floating-point tensor and that tensor's RMS."""
+    taker, took = snap.input_takers.get(path), snap.taken.get(path, rms)
+    if taker is None and entry and snap.entry is not None:
+        return snap.entry
+    return taker, took
 
 
 def _off_scale(rms: float, factor: float = INPUT_SCALE) -> int:

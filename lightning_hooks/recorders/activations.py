@@ -428,15 +428,20 @@ def _add_saturated(recorder: UnitRecorder, name: str, gap: torch.Tensor, n: int)
     recorder.saturable[name] = recorder.saturable.get(name, 0) + n
 
 
+def _widened(x: torch.Tensor) -> torch.Tensor:
+    """``x``, in float32 if it is half precision (see :data:`_WIDENED`)."""
+    return x.float() if x.dtype in _WIDENED else x
+
+
 def _squares(x: torch.Tensor) -> torch.Tensor:
-    """``x`` squared, in float32 for a half-precision ``x`` (see :data:`_WIDENED`)."""
-    return (x.float() if x.dtype in _WIDENED else x).square()
+    """``x`` squared, in float32 for a half-precision ``x``."""
+    return _widened(x).square()
 
 
 def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     """``Σ x²`` as one dot product of ``x`` with itself (no squared copy of it), in float32 for a half-precision
     ``x``."""
-    flat = (x.float() if x.dtype in _WIDENED else x).reshape(-1)
+    flat = _widened(x).reshape(-1)
     return torch.dot(flat, flat)
 
 
