@@ -36,9 +36,9 @@ def run_without_lightning(code: str) -> subprocess.CompletedProcess[str]:
 
 def core_modules() -> list[str]:
     return sorted(
-        f"lightning_hooks.{folder}.{p.stem}"
+        ".".join(("lightning_hooks", *p.relative_to(PACKAGE).with_suffix("").parts))
         for folder in PURE_TORCH
-        for p in (PACKAGE / folder).glob("*.py")
+        for p in (PACKAGE / folder).rglob("*.py")
         if p.stem != "__init__"
     )
 
@@ -82,6 +82,7 @@ def test_no_core_module_imports_lightning() -> None:
     modules = core_modules()
     assert "lightning_hooks.stats.batch" in modules
     assert "lightning_hooks.recorders.finite" in modules
+    assert "lightning_hooks.diagnose.checks.units" in modules
     done = run_without_lightning(
         f"""
         import importlib

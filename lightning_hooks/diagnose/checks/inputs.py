@@ -1,0 +1,110 @@
+"""Checks on the batch: inputs or targets far from unit scale, or all zeros."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from lightning_hooks.core.select import label
+from lightning_hooks.diagnose.checks.snapshot import (
+    Evidence,
+    Snapshot,
+    Thresholds,
+)
+
+__all__ = ["INPUT_SCALE", "ALIKE_SCALE", "input_scale", "absent_inputs"]
+
+INPUT_SCALE = 100.0
+"""``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
+
+
+ALIKE_SCALE = 10.0
+"""Two scales within this factor of each other are alike (a series and its forecast, a loss and the tensor it
+compares outputs with), and one within it of 1 is unit scale (what a model that rescales its inputs gives its first
+layer)."""
+
+
+def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
+    """Floating-point batch tensors whose RMS over their non-zero values is :data:`INPUT_SCALE` times off unit scale
+    (a sparse input, such as a TF-IDF row normalised to unit length, is small only in its zeros), named after the
+    layer that took the tensor, a view of it or a copy made of it (else the first layer to take a floating-point
+    tensor, or the last one to run for the batch's last tensor, a target compared with the output). Only when what
+    that layer took is still :data:`ALIKE_SCALE` times off, on the same side: a model that divides its pixels by 255
+    itself, or slices the numeric columns out of a batch that also holds category indices, gives its first layer
+    values of unit scale. Not when that layer is a normalization: the model standardises it. Nor targets within
+    :data:`ALIKE_SCALE` of inputs the model rescales itself: a forecaster that normalises each window of a series and
+    de-normalises its forecast (RevIN) is judged on the series' own scale. Nor a last tensor above the range while
+    the loss is :data:`ALIKE_SCALE` times below its RMS: a loss that compared outputs of unit scale with it (an L1
+    loss, a squared one) would be far above, so it is something the loss uses otherwise, or not at all: sample
+    weights, survival times that only a Cox loss's ordering reads, boxes in pixels that a box coder normalises,
+    timestamps."""
+    found = []
+    paths = list(snap.inputs)
+    losses = [abs(loss) for _, loss in snap.losses if math.isfinite(loss)]
+    loss = statistics.median(losses) if losses else math.inf
+    rescaled = []  # the RMS of the inputs the model brought to unit scale itself
+    for path, rms in snap.inputs.items():
+        target = len(paths) > 1 and path == paths[-1]
+        taker, took = _taker(snap, path, rms, entry=not target)
+        side = _off_scale(rms)
+        if not side:
+            continue
+        if _off_scale(took, ALIKE_SCALE) != side:  # the model brought it (near) to unit scale itself
+            rescaled.append(rms)
+            continue
+        if taker in snap.normalizers:
+            continue
+        if target and any(max(rms, r) < ALIKE_SCALE * min(rms, r) for r in rescaled):
+            continue
+        if target and taker is None and side > 0 and loss * ALIKE_SCALE < rms:
+            continue
+        layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
+        what = "targets" if target else "inputs"
+        said = (
+            f"the batch's {what} (`{path}`) have an RMS of {rms:.3g} (over their non-zero values), "
+            f"{abs(math.log10(rms)):.0f} orders of magnitude "
+            f"from unit scale: standardise them (subtract the training set's mean, divide by its standard "
+            f"deviation); unscaled {what} make huge activations, losses and gradients from the first step."
+        )
+        found.append(Evidence("input_scale", tuple(label(n) for n in layers) or ("root",), rms, INPUT_SCALE, said))
+    return found
+
+
+def absent_inputs(snap: Snapshot) -> list[Evidence]:
+    """Floating-point batch tensors with no finite non-zero value (all zeros: data never loaded into a buffer made with
+    ``torch.zeros``, a transform that multiplies by 0), taken as they are by the layer that takes them, or by the first
+    layer to take a floating-point tensor: every sample looks alike to the model, which can learn no more than the
+    mean target. Only when every floating-point input is so (an RNN's initial state may be zeros beside its inputs),
+    not counting the batch's last tensor of several (a target, possibly all zeros in a batch); and not one a layer
+    takes only after adding something to it (a learnt embedding)."""
+    paths = list(snap.inputs)
+    inputs = {path: rms for path, rms in snap.inputs.items() if len(paths) == 1 or path != paths[-1]}
+    if any(rms != 0 for rms in inputs.values()):  # another input carries the samples (an RNN's zero initial state)
+        return []
+    found = []
+    for path, rms in inputs.items():
+        taker, took = _taker(snap, path, rms)
+        if taker is None or took != 0:
+            continue
+        said = (
+            f"the batch's inputs (`{path}`) hold no finite non-zero value: every sample is all zeros, so "
+            f"`{label(taker)}` gives each the same output and the model can learn no more than the mean target; check "
+            f"the data loading (a buffer made with `torch.zeros` and never filled, a wrong column or key, a transform "
+            f"that multiplies by 0)."
+        )
+        found.append(Evidence("input_scale", (label(taker),), 0.0, 0.0, said))
+    return found
+
+
+def _taker(snap: Snapshot, path: str, rms: float, entry: bool = True) -> tuple[str | None, float]:
+    """The layer that took the batch tensor ``path`` (of RMS ``rms``) and the RMS of what it took; else, with
+    ``entry``, the first layer to take a floating-point tensor and that tensor's RMS."""
+    taker, took = snap.input_takers.get(path), snap.taken.get(path, rms)
+    if taker is None and entry and snap.entry is not None:
+        return snap.entry
+    return taker, took
+
+
+def _off_scale(rms: float, factor: float = INPUT_SCALE) -> int:
+    """1 for an RMS ``factor`` times above 1 or more, -1 for one as far below (but not 0), else 0."""
+    return 1 if rms >= factor else -1 if 0 < rms <= 1 / factor else 0
