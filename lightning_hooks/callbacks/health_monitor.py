@@ -22,21 +22,20 @@ from lightning_hooks.core.autograd import dense_gradient, loss_scale
 from lightning_hooks.core.compiled import Region
 from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import is_layer, label, trainable_parameters
-from lightning_hooks.core.shards import counted_part, is_sharded, local, replica_part
+from lightning_hooks.core.shards import counted_part, is_sharded, replica_part
 from lightning_hooks.diagnose.checks import STEPLESS, stepless
 from lightning_hooks.diagnose.health import (
     CHECKS,
-    SPIKE_MIN_HISTORY,
     Check,
     HealthFinding,
     HealthTracker,
     Snapshot,
     Thresholds,
-    loss_level,
 )
 from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
+from lightning_hooks.recorders.steps import CARRY_MATCH, CARRY_SAMPLE, Carried, LossRing, learning_rate, weight_decay
 from lightning_hooks.sinks.sink import echo
 from lightning_hooks.stats.batch import Fetched
 from lightning_hooks.stats.state import STATS, State, combine
@@ -195,7 +194,7 @@ class HealthMonitor(StatsCallback):
         self._normalizers: frozenset[str] = frozenset()
         self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
         self._eps: dict[str, float] = {}  # and its adaptive optimizer's eps, where it has one
-        self._decay: dict[str, tuple[float, float]] = {}  # and its weight decay (see `_weight_decay`)
+        self._decay: dict[str, tuple[float, float]] = {}  # and its weight decay (see `weight_decay`)
         self._embeddings: frozenset[str] = frozenset()
         self._half: dict[str, torch.dtype] = {}
         self._leaves: list[tuple[str, nn.Module]] = []
@@ -211,11 +210,11 @@ class HealthMonitor(StatsCallback):
         self._norm_layers: list[str] = []  # the layer (module label) of each watched parameter
         self._order: list[str] = []
         self._with_params: frozenset[str] = frozenset()
-        self._ring: _LossRing | None = None
+        self._ring: LossRing | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
         self._previous_batch_step = -1  # the optimizer steps taken when the previous batch began
-        self._carry: list[tuple[str, _Carried]] = []  # under manual optimization, whether `.grad` is zeroed
+        self._carry: list[tuple[str, Carried]] = []  # under manual optimization, whether `.grad` is zeroed
         self._carried: dict[str, list[str]] = {}  # the layers of each optimizer behind a ("carried", <i>) vector
         self._checked_until = -1  # the last step checked in this fit
 
@@ -280,7 +279,7 @@ class HealthMonitor(StatsCallback):
         self._scaler = loss_scaler(trainer)
         if self._spikes and self._enabled and self._params:
             device = self._params[0][1].device
-            self._ring = _LossRing(
+            self._ring = LossRing(
                 [p for _, p in self._params], self.every(trainer) + 1, device, self.thresholds.spike_threshold
             )
 
@@ -335,7 +334,7 @@ class HealthMonitor(StatsCallback):
         if manual and stepped_before and not self._carry and "exploding_gradients" in self.checks:
             trainable = [(name, p) for name, p in self._params if p.requires_grad]  # a backbone frozen since setup
             for name, p in sorted(trainable, key=lambda named: named[1].numel())[:CARRY_SAMPLE]:
-                self._carry.append((name, _Carried(p)))
+                self._carry.append((name, Carried(p)))
                 self._step_handles.add(p.register_hook(self._carry[-1][1]))
 
     @override
@@ -356,8 +355,8 @@ class HealthMonitor(StatsCallback):
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._overflow += overflow
             for group in optimizer.param_groups:
-                lr, eps = _learning_rate(group), group.get("eps")
-                decay = _weight_decay(optimizer, group, lr)
+                lr, eps = learning_rate(group), group.get("eps")
+                decay = weight_decay(optimizer, group, lr)
                 for p in group["params"]:
                     if (layer := self._layer_of.get(id(p))) is not None:
                         before = self._lrs.get(layer)
@@ -377,7 +376,7 @@ class HealthMonitor(StatsCallback):
 
     def _record_carried(self, stepped: set[int]) -> None:
         """Under manual optimization, for the followed parameters that the optimizer steps (the ids ``stepped``):
-        whether ``.grad`` held gradients from before its previous step (see :class:`_Carried`), and the layers it
+        whether ``.grad`` held gradients from before its previous step (see :class:`Carried`), and the layers it
         steps."""
         found = [row for _, hook in self._carry if id(hook.param) in stepped and (row := hook.evidence()) is not None]
         if found:
@@ -678,73 +677,9 @@ class HealthMonitor(StatsCallback):
         )
 
 
-CARRY_SAMPLE = 8
-"""How many parameters, the smallest, tell whether ``.grad`` is zeroed between steps under manual optimization."""
-CARRY_MATCH = 1e-3
-"""The rounding allowed between a ``.grad`` never zeroed and the sum of what it held and what was added to it."""
-
-
-class _Carried:
-    """Tensor hook on a parameter for one step under manual optimization, the previous batch having stepped the
-    optimizer. The first gradient to come finds in ``.grad`` what it held at that step, unless it was zeroed since:
-    it keeps its L1 norm and its signs, then sums every gradient's projection on those signs. :meth:`evidence` adds
-    the projection of ``.grad`` at this step: equal to the two sums together when nothing zeroed ``.grad`` in between
-    (a GAN's discriminator, whose ``.grad`` the generator's backward added to and which is then zeroed, is not)."""
-
-    def __init__(self, param: nn.Parameter) -> None:
-        self.param = param
-        self.signs: torch.Tensor | None = None
-        self.old: torch.Tensor | None = None
-        self.fresh: list[torch.Tensor] = []
-        self.started = False
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        if not self.started:
-            self.started = True
-            old = self.param.grad
-            if old is not None and old.layout == torch.strided and not old.is_complex():
-                self.signs, self.old = old.detach().sign(), old.detach().abs().sum()
-        if self.signs is not None and grad.layout == torch.strided:
-            self.fresh.append((grad.detach() * self.signs).sum())
-
-    def evidence(self) -> torch.Tensor | None:
-        """``[L1 of the old .grad, the gradients' projection, .grad's projection now]``, or None (nothing carried)."""
-        grad = self.param.grad
-        if self.signs is None or self.old is None or grad is None or grad.layout != torch.strided:
-            return None
-        fresh = torch.stack(self.fresh).sum() if self.fresh else torch.zeros_like(self.old)
-        return torch.stack([self.old, fresh, (grad.detach() * self.signs).sum()]).float()
-
-
 def _rms(sums: list[float]) -> float:
     """The RMS of :func:`~lightning_hooks.stats.state.input_sums` added up."""
     return math.sqrt(sums[0] / max(sums[1], 1))
-
-
-def _learning_rate(group: dict[str, Any]) -> float:
-    """A parameter group's learning rate; NaN where the optimizer sets its own (Adafactor's ``relative_step``
-    leaves ``lr=None``)."""
-    lr = group.get("lr")
-    return math.nan if lr is None else float(lr)
-
-
-def _weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any], lr: float) -> tuple[float, float] | None:
-    """A parameter group's ``weight_decay`` and the share of every weight it removes each optimizer step: ``lr × wd``
-    where the decay is decoupled from the gradient (AdamW, ``decoupled_weight_decay=True``, Lion), ``lr × wd ×
-    (1 - dampening) / (1 - momentum)`` under SGD (the decay joins the gradient, which momentum sums), NaN under another
-    optimizer (the decay joins a gradient that the optimizer's own statistics scale); None without a decay, or without
-    a learning rate (Adafactor's relative step)."""
-    wd = group.get("weight_decay")
-    if not isinstance(wd, int | float) or not wd > 0 or math.isnan(lr):
-        return None
-    wd = float(wd)
-    if isinstance(optimizer, torch.optim.SGD):
-        momentum, dampening = float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0))
-        return wd, lr * wd * ((1 - dampening) / (1 - momentum) if 0 < momentum < 1 else 1.0)
-    name = type(optimizer).__name__.lower()
-    if group.get("decoupled_weight_decay") or "adamw" in name or "lion" in name:
-        return wd, lr * wd
-    return wd, math.nan
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:
@@ -756,79 +691,6 @@ def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int
         if found is not None and after < found.step <= step:
             return found.layer, found.step, found.lines(found.step)[0]
     return None
-
-
-class _LossRing:
-    """The last ``size`` optimizer steps' losses and per-parameter gradient norms, kept on device until
-    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite. Before the
-    monitor has a loss history to give ``halfway`` (at the first logging step with :data:`SPIKE_MIN_HISTORY` losses
-    before it), the ring takes it from the losses it holds once they are as many, as the monitor would
-    (``threshold``: its ``spike_threshold``)."""
-
-    def __init__(self, params: list[torch.Tensor], size: int, device: torch.device, threshold: float) -> None:
-        self.params, self.size, self.threshold = params, size, threshold
-        self.zero = torch.zeros((), device=device)
-        self.losses: dict[int, torch.Tensor] = {}
-        self.grad_norms: dict[int, torch.Tensor] = {}
-        self.overflow: dict[int, torch.Tensor] = {}  # of the steps with norms, a GradScaler's flag where there is one
-        self.halfway: float | None = None
-        self._on_host = device.type == "cpu"
-        self._loss_step = -1
-
-    def loss(self, step: int, loss: torch.Tensor) -> None:
-        if step == self._loss_step:  # a further micro-batch of the step (Lightning divides each by their count)
-            self.losses[step] = self.losses[step] + loss.detach()
-            return
-        self.losses[step] = loss.detach()
-        self._loss_step = step
-        if len(self.losses) > self.size:
-            oldest = next(iter(self.losses))  # steps are kept in the order they came
-            del self.losses[oldest]
-            self.grad_norms.pop(oldest, None)
-            self.overflow.pop(oldest, None)
-
-    def norms(
-        self, step: int, logging: bool, overflow: list[torch.Tensor] | None = None, taken: torch.Tensor | None = None
-    ) -> None:
-        """Keep the step's per-parameter gradient norms: ``taken`` where the logging step took them already."""
-        if step in self.grad_norms:  # a further optimizer of the step
-            return
-        # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
-        # takes the norms only when its loss is half-way to a spike (measured: docs/performance.md, HealthMonitor);
-        # on an accelerator deciding would wait for the device.
-        if self._on_host and self.halfway is None and len(self.losses) > SPIKE_MIN_HISTORY:
-            earlier = [loss for kept, loss in self.losses.items() if kept != step]  # read once, when there are enough
-            if history := [x for x in torch.stack(earlier).float().tolist() if math.isfinite(x)]:
-                median, deviation = loss_level(history)
-                self.halfway = median + deviation * self.threshold / 2
-        quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
-        if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
-            return
-        if taken is not None:
-            self.grad_norms[step] = taken
-        else:
-            zero = self.zero
-            grads = [zero if p.grad is None else local(p.grad) for p in self.params]
-            try:
-                norms = torch._foreach_norm(grads)
-            except (NotImplementedError, RuntimeError):  # a sparse gradient
-                norms = torch._foreach_norm([dense_gradient(g) for g in grads])
-            self.grad_norms[step] = torch.stack(norms)
-        if overflow:
-            self.overflow[step] = overflow[0] if len(overflow) == 1 else torch.stack(overflow).sum()
-
-    def hand_over(self, batch: Any) -> tuple[list[int], set[int]]:
-        """The steps kept since the last hand-over and those of them with norms, whose values go into ``batch``."""
-        steps = sorted(self.losses)
-        with_norms = [s for s in steps if s in self.grad_norms]
-        if steps:
-            batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
-        if with_norms:
-            batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms[s] for s in with_norms]))
-        if self.overflow:
-            batch.add_vector(("ring", "overflow"), torch.stack([self.overflow.get(s, self.zero) for s in with_norms]))
-        self.losses, self.grad_norms, self.overflow = {}, {}, {}
-        return steps, set(with_norms)
 
 
 def _total_steps(trainer: pl.Trainer) -> float:

@@ -18,7 +18,6 @@ from lightning_hooks.diagnose.checks import (
     FADING,
     SATURATED,
     SETTLED,
-    SHOWN_LAYERS,
     Evidence,
     Snapshot,
     Thresholds,
@@ -46,6 +45,7 @@ from lightning_hooks.diagnose.checks import (
     vanishing_layers,
     zero_loss,
 )
+from lightning_hooks.diagnose.moments import RISE_MAX, Moments
 from lightning_hooks.stats.state import State
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "Thresholds",
     "dead_units",
     "gradient_spread",
-    "loss_level",
 ]
 
 Check = Literal[
@@ -77,30 +76,12 @@ Check = Literal[
 CHECKS: tuple[str, ...] = get_args(Check)
 """Every check, in the order findings are reported."""
 
-SPIKE_WINDOW = 100
-"""How many previous steps' losses the rolling median and MAD of ``loss_spike`` are taken over."""
-SPIKE_MIN_HISTORY = 20
-"""``loss_spike`` judges no step before this many losses are known."""
-SPIKE_FLOOR = 0.05
-"""``loss_spike``'s robust deviation is at least this share of the highest rolling median seen in the fit."""
-SPIKE_TAIL = 5.0
-"""A spike also stands this many times further above the rolling median than the highest loss of its window (from
-step :data:`SETTLED` on): batches of one or two samples have losses of hard samples 1,000 times the median every few
-dozen steps, up to 3 times further out than the window's highest (digits at batch size 1); a bad batch, 38 times."""
-ALIKE = 10.0
-"""Layers whose gradient norm jumped within this factor of the largest jump jumped alike."""
-JUMPED = 2.0
-"""A layer's gradient norm jumped with a loss spike when it reached this many times its recent median."""
-MAD_SCALE = 1.4826
-"""``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
 MOMENTS = ("loss_spike", "exploding_gradients")
 """Immediate checks whose evidence belongs to one moment (a step, a run of steps), not to the logging step."""
 LEARNING = frozenset({"vanishing_gradients", "exploding_gradients", "update_ratio"})
 """The checks that judge how each layer learns, from its gradients and update."""
 DEAD_SAMPLES = 512
 """``dead_units`` judges a layer whose units are not all silent over a window of at least this many samples."""
-RISE_MAX = 64
-"""``exploding_gradients`` follows a steady rise of the gradient norm over at most this many logging steps."""
 ZERO_START = 1e-4
 """A layer whose weights' RMS is below this when first seen started at zero by design (LoRA's B, layer scale)."""
 
@@ -149,11 +130,8 @@ class HealthTracker:
         self.findings: list[HealthFinding] = []
         self._index: dict[tuple[str, tuple[str, ...]], int] = {}
         self._streaks: dict[tuple[str, tuple[str, ...]], tuple[int, int]] = {}  # first step, length in logging steps
-        self._step_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=limits.patience + 1)
-        self._logged_norms: deque[tuple[int, dict[str, float]]] = deque(maxlen=RISE_MAX)
-        self._top_median = 0.0
         self._previous_step = -1
-        self._last_spike: tuple[int, Evidence] | None = None
+        self._moments = Moments(limits)
         self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
         self._reference_loss: float | None = None
         self._first_loss: float | None = None  # the median loss of the first logging step
@@ -170,8 +148,6 @@ class HealthTracker:
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
-        self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
-        self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
         self.affected: dict[str, int] = {}
         """Per check, how many layers the findings made or extended by the latest snapshot name."""
         self._touched: set[tuple[str, tuple[str, ...]]] = set()
@@ -222,7 +198,7 @@ class HealthTracker:
             persistent += [e for e in spread if e.check in on and not (squashed and e.group == FADING)]
         if "exploding_gradients" in on:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
-            immediate += self._norm_growth(snap, left_out)
+            immediate += self._moments.growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
         explained = squashed + (vanishing_layers(snap, self.limits, starved) if "vanishing_gradients" in on else [])
         if "update_ratio" in on and judged and not decayed:
@@ -238,7 +214,7 @@ class HealthTracker:
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
         if "loss_spike" in on:
-            immediate += self._loss_spikes(snap, left_out)
+            immediate += self._moments.spikes(snap, left_out)
         if "saturation" in on:
             persistent += saturation(snap, self.limits, learnt)
         if "input_scale" in on:
@@ -334,6 +310,11 @@ class HealthTracker:
         self.findings.append(finding)
         return [finding]
 
+    def halfway(self) -> float | None:
+        """The loss half-way from the rolling median to a spike (``None`` before there is a history): a step whose
+        loss stays below it can be neither a spike nor its cause."""
+        return self._moments.halfway()
+
     def _dead_units(self, snap: Snapshot) -> list[Evidence]:
         """``dead_units`` over a window: units zero for every sample of the last ``patience`` or more logging steps,
         :data:`DEAD_SAMPLES` samples in all; a layer whose every unit is silent is reported at once. A layer keeps the
@@ -358,74 +339,6 @@ class HealthTracker:
                 while len(kept) > max(steps, self.limits.patience):  # older checks are not needed again: a model
                     kept.popleft()  # of 100 k units kept 64 checks of each, 6.4 M flags
         return [replace(e, step=starts[e.layers[0]]) for e in dead_units(snap, self.limits, window)]
-
-    def _norm_growth(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
-        """The total gradient norm (per layer, its median since the last logging step) rising ``norm_growth``-fold
-        over ``patience`` or more logging steps in a row, or over consecutive steps until it overflowed; without the
-        layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
-        found: list[Evidence] = []
-        steps: list[dict[str, float]] = []
-        pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
-        for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
-            if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
-                self._step_norms.clear()
-                continue
-            layer_norms = next(pooled)
-            total = math.hypot(*layer_norms.values())
-            if math.isfinite(total):
-                steps.append(layer_norms)
-                self._step_norms.append((step, layer_norms))
-                continue
-            run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
-            self._step_norms.clear()
-            found += self._grew(run, "steps in a row, then overflowed", snap.clip, overflowed=True)
-        if steps:
-            level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
-        else:
-            level = _per_layer_of(snap, left_out)
-        if level and all(math.isfinite(v) for v in level.values()):
-            self._logged_norms.append((snap.step, level))
-            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip)
-        return found[:1]
-
-    def _grew(
-        self,
-        run: list[tuple[int, dict[str, float]]],
-        how: str,
-        clip: tuple[str, float] | None,
-        overflowed: bool = False,
-    ) -> list[Evidence]:
-        """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
-        if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
-        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth."""
-        length = 3 if overflowed else self.limits.patience + 1
-        totals = [math.hypot(*norms.values()) for _, norms in run]
-        rising = 1
-        while rising < len(totals) and totals[-rising - 1] < totals[-rising] and not (overflowed and rising == 3):
-            rising += 1
-        held = totals[:-rising]  # the levels before the rise
-        run, totals = run[-rising:], totals[-rising:]
-        if len(totals) < length:
-            return []
-        start = totals[0] if overflowed or not held else max(totals[0], statistics.median(held))
-        growth = totals[-1] / max(start, 1e-30)
-        if growth < self.limits.norm_growth:
-            return []
-        (first_step, before), (last_step, after) = run[0], run[-1]
-        self._logged_norms.clear()  # the next finding needs a new run of rising norms
-        grew = sorted(after, key=lambda n: -_ratio(after[n], before.get(n, 0.0)))[:SHOWN_LAYERS]
-        fix = (
-            f"gradient clipping (`gradient_clip_val={clip[1]:g}`) bounds each step, not this growth: try a lower "
-            f"learning rate, or a smaller initialisation."
-            if clip is not None
-            else "try gradient clipping (`gradient_clip_val`), a lower learning rate, or a smaller initialisation."
-        )
-        said = (
-            f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
-            f"at step {last_step}), most in {_names(grew)}; {fix}"
-        )
-        layers = tuple(label(n) for n in grew)
-        return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
     def _settle(self, snap: Snapshot) -> tuple[bool, bool, bool, bool]:
         """From the logging step's median loss: whether the run settles here (the first logging step from step
@@ -489,129 +402,14 @@ class HealthTracker:
             top = max(top, rms)
         return found
 
-    def _loss_spikes(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
-        """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
-        rolling median as it stood then, and :data:`SPIKE_TAIL` times further above it than the highest settled loss
-        of the window; a spike on the step right after another extends that finding. The layers ``left_out`` (their
-        ``.grad`` only grows) are not named."""
-        found = []
-        level = self._level()
-        highest = max((loss for step, loss in self._losses if step >= SETTLED), default=-math.inf)
-        for i, (step, loss) in enumerate(snap.losses):
-            norms = snap.norms[i] if i < len(snap.norms) else []
-            if not math.isfinite(loss):
-                continue
-            if level is not None:
-                median, scale = level
-                z = (loss - median) / scale
-                if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
-                    spike = self._spike(step, loss, median, z, norms, snap.norm_layers, left_out)
-                    if self._last_spike is not None and self._last_spike[0] == step - 1:
-                        spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
-                    self._last_spike = (step, spike)
-                    found.append(spike)
-                    continue  # a spike does not become the level the next steps are judged by
-            self._losses.append((step, loss))
-            if norms:
-                self._loss_norms.append(norms)
-        return found
-
-    def halfway(self) -> float | None:
-        """The loss half-way from the rolling median to a spike (``None`` before there is a history): a step whose
-        loss stays below it can be neither a spike nor its cause."""
-        level = self._level()
-        return None if level is None else level[0] + level[1] * self.limits.spike_threshold / 2
-
-    def _level(self) -> tuple[float, float] | None:
-        """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
-        if len(self._losses) < SPIKE_MIN_HISTORY:
-            return None
-        median, deviation = loss_level([loss for _, loss in self._losses], self._top_median)
-        self._top_median = max(self._top_median, median)
-        return median, deviation
-
-    def _spike(
-        self,
-        step: int,
-        loss: float,
-        median: float,
-        z: float,
-        norms: list[float],
-        layers: Sequence[str],
-        left_out: frozenset[str],
-    ) -> Evidence:
-        """A spike at ``step``, named after the layers whose gradient norm jumped (:data:`JUMPED`) within
-        :data:`ALIKE` of the most (a layer's jump: the least of its parameters' against their window's median), nearest
-        the output first; not a layer without a gradient (a target network's copy), nor the layers ``left_out``
-        (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
-        jumps: dict[str, float] = {}
-        for j, name in enumerate(layers):
-            if name in left_out:
-                continue
-            past = [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])]
-            if j < len(norms) and norms[j] > 0 and past:  # a parameter without a gradient did not jump
-                jump = _ratio(norms[j], statistics.median(past))
-                jumps[name] = min(jumps.get(name, math.inf), jump)
-        top = max(jumps.values(), default=0.0)
-        alike = [n for n in jumps if jumps[n] >= max(top / ALIKE, JUMPED)]
-        order = {n: i for i, n in enumerate(dict.fromkeys(layers))}
-        worst = sorted(alike, key=lambda n: -order[n])[:SHOWN_LAYERS]
-        where = (
-            f"; the gradient norm jumped most in {_names(worst)} ({jumps[worst[0]]:.3g}× its recent median)"
-            if worst
-            else ""
-        )
-        said = (
-            f"the training loss jumped to {loss:.4g} at step {step} (recent median {median:.4g}, {z:.0f} robust "
-            f"deviations){where}; look at that batch, lower the learning rate, or clip gradients."
-        )
-        layers = tuple(label(n) for n in worst) or ("root",)
-        return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
-
-
-def loss_level(history: Sequence[float], top_median: float = 0.0) -> tuple[float, float]:
-    """The median of the losses ``history`` and their robust deviation: ``1.4826 × MAD``, but at least
-    :data:`SPIKE_FLOOR` of the highest rolling median seen in the fit (``top_median``, or this one)."""
-    median = statistics.median(history)
-    mad = statistics.median(abs(x - median) for x in history)
-    return median, max(MAD_SCALE * mad, SPIKE_FLOOR * max(top_median, median), 1e-12)
-
 
 def _key(e: Evidence) -> tuple[str, tuple[str, ...]]:
     """The finding ``e`` makes or extends: its check's over its layers, or over its group's."""
     return (e.check, e.layers if e.group is None else (e.group,))
 
 
-def _names(layers: Sequence[str]) -> str:
-    return ", ".join(f"`{label(n)}`" for n in layers)
-
-
 def _rms(state: State) -> float:
     return math.sqrt(max(state.sum_sq, 0.0) / state.numel) if state.numel else math.nan
-
-
-def _ratio(new: float, old: float) -> float:
-    return new / old if old > 0 else (math.inf if new > 0 else 1.0)
-
-
-def _per_layer_of(snap: Snapshot, left_out: frozenset[str]) -> dict[str, float]:
-    """Each layer's gradient norm in the snapshot, but for the layers ``left_out``."""
-    return {name: math.sqrt(max(s.sum_sq, 0.0)) for name, s in snap.grads.items() if name not in left_out}
-
-
-def _per_layer(
-    rows: Sequence[Sequence[float]], layers: Sequence[str], left_out: frozenset[str]
-) -> list[dict[str, float]]:
-    """Each row of per-parameter norms pooled into its layers' (the 2-norm of the layer's parameters together, an Inf
-    winning over a NaN), but for the layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or
-    nothing zeroes it)."""
-    indices: dict[str, list[int]] = {}
-    for i, name in enumerate(layers):
-        if name not in left_out:
-            indices.setdefault(name, []).append(i)
-    # math.hypot and itemgetter run in C: a logging step can pool every step's norms since the last one
-    plan = [(name, operator.itemgetter(*found), len(found) > 1) for name, found in indices.items()]
-    return [{name: math.hypot(*get(row)) if many else math.hypot(get(row)) for name, get, many in plan} for row in rows]
 
 
 def _both(a: list[bool], b: list[bool]) -> list[bool]:

@@ -16,13 +16,13 @@ from benchmarks import health as planted
 from lightning_hooks import HealthFinding, HealthMonitor, NonFiniteGuard
 from lightning_hooks.diagnose.checks import depth_trend
 from lightning_hooks.diagnose.health import (
-    SPIKE_MIN_HISTORY,
     HealthTracker,
     Snapshot,
     Thresholds,
     dead_units,
     gradient_spread,
 )
+from lightning_hooks.diagnose.moments import SPIKE_MIN_HISTORY
 from lightning_hooks.diagnose.report import summary
 from lightning_hooks.stats.state import State
 from tests.support.helpers import Probe, TinyNet, hook_state, make_trainer, scalars, texts
@@ -328,12 +328,12 @@ def test_the_summary_has_a_line_per_finding() -> None:
 
 
 def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_reads_nothing_until_hand_over() -> None:
-    from lightning_hooks.callbacks.health_monitor import _LossRing
+    from lightning_hooks.recorders.steps import LossRing
     from lightning_hooks.stats.batch import StatBatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 2.0)
-    ring = _LossRing([weight], size=8, device=torch.device("cpu"), threshold=20.0)
+    ring = LossRing([weight], size=8, device=torch.device("cpu"), threshold=20.0)
     for step in (0, 1):  # no loss history yet: every step
         ring.loss(step, torch.tensor(0.5))
         ring.norms(step, logging=False)
@@ -352,12 +352,12 @@ def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_rea
 def test_before_the_monitor_has_a_history_the_ring_takes_its_halfway_from_the_first_losses() -> None:
     # The first logging step's ring had every step's norms (49 rows at step 50), as the monitor's halfway waits for
     # a history of 20 losses that it only gets at that logging step.
-    from lightning_hooks.callbacks.health_monitor import _LossRing
+    from lightning_hooks.recorders.steps import LossRing
     from lightning_hooks.stats.batch import StatBatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     weight.grad = torch.full((3,), 2.0)
-    ring = _LossRing([weight], size=64, device=torch.device("cpu"), threshold=20.0)
+    ring = LossRing([weight], size=64, device=torch.device("cpu"), threshold=20.0)
     losses = [1.0 + 0.01 * (step % 5) for step in range(SPIKE_MIN_HISTORY)] + [1.02, 9.0, 1.01]
     for step, loss in enumerate(losses):
         ring.loss(step, torch.tensor(loss))
