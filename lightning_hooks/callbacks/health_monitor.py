@@ -20,7 +20,6 @@ from lightning_hooks.callbacks.base import (
 from lightning_hooks.core import validate as _validate
 from lightning_hooks.core.autograd import dense_gradient, loss_scale
 from lightning_hooks.core.compiled import Region
-from lightning_hooks.core.nested import named_tensors
 from lightning_hooks.core.select import is_layer, label, trainable_parameters
 from lightning_hooks.core.shards import counted_part, is_sharded, replica_part
 from lightning_hooks.diagnose.checks import STEPLESS, stepless
@@ -35,10 +34,20 @@ from lightning_hooks.diagnose.health import (
 from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
-from lightning_hooks.recorders.steps import CARRY_MATCH, CARRY_SAMPLE, Carried, LossRing, learning_rate, weight_decay
+from lightning_hooks.recorders.readings import (
+    Layers,
+    fingerprints,
+    layer_gradients,
+    layer_outputs,
+    layer_updates,
+    pruned_units,
+    ungraded_weights,
+    watch_batch,
+)
+from lightning_hooks.recorders.steps import CARRY_SAMPLE, Carried, LossRing, Settings, carried_layers
 from lightning_hooks.sinks.sink import echo
 from lightning_hooks.stats.batch import Fetched
-from lightning_hooks.stats.state import STATS, State, combine
+from lightning_hooks.stats.state import STATS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,18 +57,6 @@ __all__ = ["HealthMonitor"]
 
 TABLE_TAG = "health/findings"
 ACTIVATION_CHECKS = {"dead_units", "activation_growth", "nonfinite", "saturation", "no_learning", "input_scale"}
-SQUASHING = {torch.nn.Sigmoid: "sigmoid", torch.nn.Tanh: "tanh", torch.nn.Softmax: "softmax"}
-BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-NORMS = (
-    *BATCH_NORMS,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.RMSNorm,
-    torch.nn.InstanceNorm1d,
-    torch.nn.InstanceNorm2d,
-    torch.nn.InstanceNorm3d,
-)
 GRADIENT_CHECKS = {"vanishing_gradients", "exploding_gradients", "update_ratio", "nonfinite", "no_learning"}
 
 
@@ -185,22 +182,13 @@ class HealthMonitor(StatsCallback):
         self._grads = ParamGradRecorder(
             self._batch, update_ratio=judges_learning, weight_norms=True, observe=False, changed_shares=True
         )
-        self._adaptive: set[str] = set()  # layers an optimizer other than SGD updates
         self._gradless: bool | None = None
         self._backward_now = False  # a backward ran in the logging step
         self._backwards = 0  # backward passes since the previous logging step
-        self._squashing: dict[str, str] = {}
-        self._channelwise: frozenset[str] = frozenset()
-        self._normalizers: frozenset[str] = frozenset()
-        self._lrs: dict[str, float] = {}  # per layer, its parameter group's learning rate at this logging step
-        self._eps: dict[str, float] = {}  # and its adaptive optimizer's eps, where it has one
-        self._decay: dict[str, tuple[float, float]] = {}  # and its weight decay (see `weight_decay`)
-        self._embeddings: frozenset[str] = frozenset()
-        self._half: dict[str, torch.dtype] = {}
+        self._settings = Settings()  # the optimizers' learning rates, eps and weight decay per layer
         self._leaves: list[tuple[str, nn.Module]] = []
         self._params: list[tuple[str, nn.Parameter]] = []
-        self._owner: dict[str, str] = {}
-        self._numel: dict[str, int] = {}
+        self._layers = Layers()
         self._sharded = False
         self._read: set[int] = set()  # the parameters whose gradients this logging step has read
         self._missing: dict[str, nn.Parameter] = {}  # those an optimizer stepped without a gradient in this step
@@ -208,8 +196,6 @@ class HealthMonitor(StatsCallback):
         # step's ("ungraded", "weights") vector
         self._grad_names: list[list[str]] = []  # the names behind each ("grads", <i>) vector of this logging step
         self._norm_layers: list[str] = []  # the layer (module label) of each watched parameter
-        self._order: list[str] = []
-        self._with_params: frozenset[str] = frozenset()
         self._ring: LossRing | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
@@ -252,29 +238,10 @@ class HealthMonitor(StatsCallback):
                 f"regions."
             )
         self._params = trainable_parameters(modules)
-        owners = {id(p): name for name, m in modules for p in m.parameters(recurse=False)}
-        self._owner = {pname: label(owners[id(p)]) for pname, p in self._params}
-        self._norm_layers = [self._owner[name] for name, _ in self._params]
-        self._numel = {name: p.numel() for name, p in self._params}
-        self._layer_of = {id(p): self._owner[name] for name, p in self._params}
-        self._sizes: dict[str, int] = {}  # parameter values per layer
-        for name, n in self._numel.items():
-            self._sizes[self._owner[name]] = self._sizes.get(self._owner[name], 0) + n
-        self._squashing = {
-            label(name): kind for name, m in self._leaves for cls, kind in SQUASHING.items() if isinstance(m, cls)
-        }
-        self._channelwise = frozenset(label(name) for name, m in self._leaves if isinstance(m, BATCH_NORMS))
-        self._normalizers = frozenset(label(name) for name, m in self._leaves if isinstance(m, NORMS))
-        self._embeddings = frozenset(label(name) for name, m in modules if isinstance(m, EMBEDDINGS))
-        self._half = {  # per layer with half-precision weights, their dtype
-            self._owner[name]: p.dtype for name, p in self._params if p.dtype in (torch.float16, torch.bfloat16)
-        }
-        self._adaptive = set()
+        self._layers = Layers.of_model(modules, self._leaves, self._params)
+        self._norm_layers = [self._layers.owner[name] for name, _ in self._params]
+        self._settings = Settings()
         self._sharded = any(is_sharded(p) for _, p in self._params)
-        self._order = [label(name) for name, _ in modules]
-        self._with_params = frozenset(
-            label(n) for n, m in modules if next(m.parameters(recurse=False), None) is not None
-        )
         self._ring = None
         self._scaler = loss_scaler(trainer)
         if self._spikes and self._enabled and self._params:
@@ -299,7 +266,7 @@ class HealthMonitor(StatsCallback):
         self._units.start()
         self._gradless = None  # no optimizer stepped yet in this logging step
         self._backward_now = False
-        self._lrs, self._eps, self._decay = {}, {}, {}
+        self._settings.start()
         self._overflow = []
         self._carry, self._carried = [], {}
 
@@ -310,18 +277,7 @@ class HealthMonitor(StatsCallback):
         self._previous_batch_step = self.batch_step  # due_step reads this batch's (global_step: a chain of properties)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._batch.open and ("input_scale" in self.checks or "saturation" in self.checks):
-            # a previous micro-batch's were freed
-            self._units.batch_tensors, self._units.batch_sizes, self._units.sums = {}, {}, {}
-            floats = [(path, t) for path, t in named_tensors(batch) if t.is_floating_point() and t.numel()]
-            self._units.target_numel = floats[-1][1].numel() if len(floats) > 1 else None
-            if "input_scale" not in self.checks:
-                return
-            for i, (path, t) in enumerate(floats):
-                self._batch.add_vector(("input", path), self._units.input_sums(t))
-                if t.layout == torch.strided:  # which layer takes it (a sparse tensor has no one address)
-                    self._units.batch_tensors[t.data_ptr()] = path
-                    if i < len(floats) - 1 or len(floats) == 1:  # not the targets: no layer takes them
-                        self._units.batch_sizes.setdefault(t.numel(), path)
+            watch_batch(self._units, self._batch, batch, inputs="input_scale" in self.checks)
 
     @override
     def _arm_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -354,20 +310,8 @@ class HealthMonitor(StatsCallback):
         norms = None  # the watched gradients' 2-norms, where this logging step read them all
         if self._watch_grads and self._enabled and self.gate.is_open:
             self._overflow += overflow
-            for group in optimizer.param_groups:
-                lr, eps = learning_rate(group), group.get("eps")
-                decay = weight_decay(optimizer, group, lr)
-                for p in group["params"]:
-                    if (layer := self._layer_of.get(id(p))) is not None:
-                        before = self._lrs.get(layer)
-                        self._lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
-                        if isinstance(eps, float):  # Adafactor's is a pair
-                            self._eps[layer] = eps
-                        if decay is not None and decay[0] > self._decay.get(layer, (0.0,))[0]:
-                            self._decay[layer] = decay
+            self._settings.read(optimizer, self._layers.of)
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            if not isinstance(optimizer, torch.optim.SGD):
-                self._adaptive.update(layer for i in stepped if (layer := self._layer_of.get(i)) is not None)
             norms = self._record_grads(stepped)
             self._record_carried(stepped)
             self._grads.record(self._params, optimizer, self._step_handles)
@@ -381,7 +325,7 @@ class HealthMonitor(StatsCallback):
         found = [row for _, hook in self._carry if id(hook.param) in stepped and (row := hook.evidence()) is not None]
         if found:
             key = str(len(self._carried))
-            self._carried[key] = list(dict.fromkeys(self._owner[n] for n, p in self._params if id(p) in stepped))
+            self._carried[key] = list(dict.fromkeys(self._layers.owner[n] for n, p in self._params if id(p) in stepped))
             self._batch.add_vector(("carried", key), torch.cat(found))
 
     def _step_now(self) -> int:
@@ -427,7 +371,8 @@ class HealthMonitor(StatsCallback):
                 ("scaler", "overflow"), torch.stack([torch.stack(self._overflow).sum(), scale.reshape(())])
             )
         if self._watch_outputs and "dead_units" in self.checks:
-            self._add_pruned()
+            for name, units in pruned_units(self._leaves):
+                self._batch.add_vector(("pruned", name), units)
             self._units.add_shared()
         self._units.per_source = {}  # nor the unit sums it kept
         if self._watch_outputs and "no_learning" in self.checks:
@@ -472,28 +417,6 @@ class HealthMonitor(StatsCallback):
             with self._sink.gathered(trainer):
                 self._publish(trainer, self._tracker.record(stepless(self._stepless, step)), step)
 
-    def _fingerprints(self, fetched: Fetched) -> dict[str, tuple[float, ...]]:
-        """Per leaf of :meth:`_add_ungraded`, its weights' fingerprint."""
-        values, layers, self._ungraded = fetched.vectors.get(("ungraded", "weights"), []), self._ungraded, []
-        found, start = {}, 0
-        for layer, n in layers:
-            found[layer] = tuple(values[start : start + 2 * n])
-            start += 2 * n
-        return found
-
-    def _carried_layers(self, fetched: Fetched) -> list[str]:
-        """The layers of the optimizers each of whose followed parameters' ``.grad`` still held, when their next
-        gradient came, what it held at the previous optimizer step, and still does at this one: nothing zeroed it."""
-        layers: list[str] = []
-        for key, names in self._carried.items():
-            values = fetched.vectors.get(("carried", key), [])
-            rows = list(zip(values[0::3], values[1::3], values[2::3], strict=True))
-            if rows and all(
-                old > 0 and abs(now - old - fresh) <= CARRY_MATCH * (old + abs(fresh)) for old, fresh, now in rows
-            ):
-                layers += names
-        return layers
-
     def _unoptimized(self, trainer: pl.Trainer) -> frozenset[str]:
         """The layers with a parameter that has a gradient but is in none of the Trainer's optimizers (none when there
         is no optimizer: the model is stepped by hand)."""
@@ -502,184 +425,50 @@ class HealthMonitor(StatsCallback):
         stepped = {
             id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]
         }
-        return frozenset(self._owner[name] for name, p in self._params if p.grad is not None and id(p) not in stepped)
+        owner = self._layers.owner
+        return frozenset(owner[name] for name, p in self._params if p.grad is not None and id(p) not in stepped)
 
     def _add_ungraded(self) -> None:
-        """A fingerprint (sum and norm) of the weights of each leaf that ran with gradients enabled in this logging step
-        before the first leaf that got a gradient, but whose parameters an optimizer stepped without one, to tell at
-        the next logging step whether they changed in between. Not a leaf run under ``torch.no_grad()`` (a teacher: on
-        purpose), nor one that ran after a leaf that learns (a module whose output goes unused, as the pooler that
-        transformers' BigBird computes and its classifier never reads): a cut from the loss leaves the layers before it
-        without a gradient."""
-        graded = {self._owner[name] for name, p in self._params if id(p) in self._read}
-        ran: set[str] = set()
-        for name in self._units.order:
-            if (layer := label(name)) in graded:
-                break
-            if name in self._units.with_grad:
-                ran.add(layer)
-        layers: dict[str, list[torch.Tensor]] = {}
-        for name, p in self._missing.items():
-            if (layer := self._owner[name]) in ran and layer not in graded:
-                layers.setdefault(layer, []).append(p.detach())
-        self._ungraded = [(layer, len(ws)) for layer, ws in layers.items()]
-        if layers:
-            weights = [w for ws in layers.values() for w in ws]
-            sums = torch.stack([torch.stack([w.sum(), torch.linalg.vector_norm(w)]) for w in weights]).float()
-            self._batch.add_vector(("ungraded", "weights"), sums.flatten())
-
-    def _add_pruned(self) -> None:
-        """Per leaf pruned by ``torch.nn.utils.prune`` (a ``weight_mask`` buffer, as Lightning's ``ModelPruning``
-        leaves it during the fit), which output units have every weight masked; masks change as pruning goes on."""
-        for name, module in self._leaves:
-            mask = getattr(module, "weight_mask", None)
-            if isinstance(mask, torch.Tensor) and mask.dim() > 1 and not getattr(module, "transposed", False):
-                self._batch.add_vector(("pruned", name), (mask.reshape(len(mask), -1) == 0).all(1).float())
+        """The fingerprints of the leaves that ran but got no gradient (see :func:`ungraded_weights`)."""
+        graded = {self._layers.owner[name] for name, p in self._params if id(p) in self._read}
+        self._ungraded, sums = ungraded_weights(self._units, graded, self._missing, self._layers.owner)
+        if sums is not None:
+            self._batch.add_vector(("ungraded", "weights"), sums)
 
     def _snapshot(
         self, fetched: Fetched, step: int, ring_steps: list[int], with_norms: set[int], trainer: pl.Trainer
     ) -> Snapshot:
-        replicas = data_parallel_size(trainer)
-        outputs: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
-        units: dict[str, list[float]] = {}
-        vectors = fetched.vectors
-        for key, values in vectors.items():
-            if key[0] != "units":
-                continue
-            layer, per_unit = key[1].split(".out.", 1)[0], key in self._units.per_unit
-            sum_sq = math.fsum(values)
-            # the values each unit saw: this process's count times the data-parallel processes (which see batches
-            # alike), times the tensor-parallel shards added up into one sum
-            numel = float(self._units.samples.get(key, 0) * len(values) * replicas * fetched.parts.get(key, 1))
-            outputs.setdefault(layer, []).append(
-                State(numel=numel, sum_sq=sum_sq, nonfinite=float(not math.isfinite(sum_sq)))
-            )
-            if per_unit:
-                units.setdefault(layer, values)
-        activated = {}  # a layer's units after a functional activation (another process may have seen them alone)
-        for key, values in vectors.items():
-            if key[0] == "fed" and key[1] in outputs and key[1] not in units:
-                units[key[1]], activated[key[1]] = values, self._units.activated.get(key[1], "an operation")
-        shared = {}  # a layer's units after a module without weights that also took other layers' outputs
-        for key, values in vectors.items():
-            if key[0] == "after" and key[1] in outputs and key[1] not in units:
-                units[key[1]], shared[key[1]] = values, self._units.after.get(key[1], "a module")
-        for carrier, (maker, width, ops) in self._units.carried.items():
-            # a dropout or pooling module that took them: its units are the layer's
-            if len(units.get(carrier, ())) == width and maker in outputs and maker not in units:
-                units[maker], activated[maker] = units.pop(carrier), ops
-        params: dict[str, list[State]] = {}  # a layer's parameters pooled
-        for i, names in enumerate(self._grad_names):
-            values, n = fetched.vectors[("grads", str(i))], len(names)
-            for name, l1, l2_squared in zip(names, values[:n], values[n:], strict=True):
-                state = State(
-                    numel=self._numel[name], abs_sum=l1, sum_sq=l2_squared, nonfinite=float(not math.isfinite(l1))
-                )
-                params.setdefault(self._owner[name], []).append(state)
-        squares: dict[str, list[tuple[float, float]]] = {}  # per layer, ||Δw||² and ||w||² of each parameter
-        for (group, name), value in fetched.scalars.items():
-            if group == "ratio":
-                norm = fetched.scalars.get(("wnorm", name), math.nan)
-                squares.setdefault(self._owner.get(name, name), []).append(((value * norm) ** 2, norm**2))
-        for (group, name), change in fetched.states.items():  # sharded parameters: pooled squares of Δw and w
-            if group == "update":
-                weight = max(fetched.states[("weight", name)].sum_sq, 0.0)
-                squares.setdefault(self._owner.get(name, name), []).append((max(change.sum_sq, 0.0), weight))
-        weight_norms = {layer: math.sqrt(math.fsum(w for _, w in pairs)) for layer, pairs in squares.items()}
-        changed: dict[str, list[tuple[float, int]]] = {}  # per half-precision layer, each parameter's changed share
-        for (group, name), share in fetched.scalars.items():
-            if group == "changed":
-                changed.setdefault(self._owner[name], []).append((share, self._numel[name]))
-        ratios = {
-            layer: math.sqrt(math.fsum(c for c, _ in pairs)) / max(weight_norms[layer], 1e-12)
-            for layer, pairs in squares.items()
-        }
-        losses: list[tuple[int, float]] = []
-        norms: list[list[float]] = []
-        if ring_steps:
-            flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors.get(("ring", "norms"), [])
-            overflowed = fetched.vectors.get(("ring", "overflow"), [])
-            width, row = len(self._params), 0
-            for i, ring_step in enumerate(ring_steps):
-                losses.append((ring_step, flat[i]))
-                # a step the GradScaler skipped: its gradients measure the loss scale, not the model
-                taken = ring_step in with_norms and not (row < len(overflowed) and overflowed[row] > 0)
-                norms.append(norm_rows[row * width : (row + 1) * width] if taken else [])
-                row += ring_step in with_norms
+        outputs = layer_outputs(fetched, self._units, data_parallel_size(trainer), self._layers)
+        ratios, weight_norms, changed = layer_updates(fetched, self._layers)
+        losses, norms = self._ring.rows(fetched, ring_steps, with_norms) if self._ring is not None else ([], [])
         overflow, scale = fetched.vectors.get(("scaler", "overflow"), [0.0, math.nan])
-        executed = [label(name) for name in self._units.order]
-        ran = set(executed)
-        output_grads = {label(k[1]): v for k, v in vectors.items() if k[0] == "rowsum" and v[1] > 0}
-        clamped = {label(k[1]): v[0] / v[1] for k, v in vectors.items() if k[0] == "clamped" and v[1] > 0}
         return Snapshot(
             step=step,
-            order=[*executed, *(name for name in self._order if name not in ran)],
-            executed=executed,
-            last_calls={label(name): call for name, call in self._units.last_call.items()},
-            adaptive=frozenset(self._adaptive),
-            squashing=self._squashing,
-            lrs=self._lrs,
-            eps=self._eps,
-            decay=self._decay,
-            embeddings=self._embeddings,
+            **vars(outputs),
+            **self._layers.facts(self._settings.eps),
+            adaptive=frozenset(self._settings.adaptive),
+            lrs=self._settings.lrs,
+            eps=self._settings.eps,
+            decay=self._settings.decay,
             gradless=bool(self._gradless),
             backward=self._backward_now,
             backwards=self._backwards,
             automatic=trainer.lightning_module.automatic_optimization,
             clip=_clipping(trainer),
             skipped_at_scale=scale if overflow > 0 else None,
-            pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
-            channelwise=self._channelwise,
-            input_takers={path: label(name) for path, name in self._units.takers.items()},
-            taken={k[1]: _rms(v) for k, v in vectors.items() if k[0] == "taken"},
-            entry=next(((label(k[1]), _rms(v)) for k, v in vectors.items() if k[0] == "entry"), None),
-            normalizers=self._normalizers,
-            weight_sizes=self._sizes,
-            inputs={  # not an additive mask in every micro-batch (its fills all alike)
-                k[1]: _rms(v) for k, v in vectors.items() if k[0] == "input" and v[2] < v[3]
-            },
-            saturated={
-                label(k[1]): v[0] / max(self._units.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
-                for k, v in vectors.items()
-                if k[0] == "sat"
-            },
-            row_sums={layer: rows / size for layer, (rows, size, _) in output_grads.items()},
-            sigmoid_misfit={layer: misfit / size for layer, (_, size, misfit) in output_grads.items()},
-            clamped=clamped,
-            activations={layer: combine(states) for layer, states in outputs.items()},
-            units=units,
-            activated=activated,
-            shared=shared,
-            grads={layer: combine(states) for layer, states in params.items()},
+            grads=layer_gradients(fetched, self._grad_names, self._layers),
             ratios=ratios,
             weights=weight_norms,
-            changed={
-                layer: sum(s * n for s, n in parts) / sum(n for _, n in parts) for layer, parts in changed.items()
-            },
-            half={
-                layer: (str(dtype).removeprefix("torch."), torch.finfo(dtype).eps)
-                for layer, dtype in self._half.items()
-            },
-            eps_lost=frozenset(  # float16's smallest number is 6e-8: Adam's 1e-8 rounds to 0
-                layer
-                for layer, dtype in self._half.items()
-                if (eps := self._eps.get(layer)) is not None and float(torch.tensor(eps, dtype=dtype)) == 0
-            ),
+            changed=changed,
             losses=losses,
             norms=norms,
             norm_layers=self._norm_layers,
             unoptimized=self._unoptimized(trainer) if self._watch_grads else frozenset(),
-            carried=self._carried_layers(fetched),
-            ungraded=self._fingerprints(fetched),
+            carried=carried_layers(fetched, self._carried),
+            ungraded=fingerprints(fetched, self._ungraded),
             total_steps=_total_steps(trainer),
-            leaves_with_params=self._with_params,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
-
-
-def _rms(sums: list[float]) -> float:
-    """The RMS of :func:`~lightning_hooks.stats.state.input_sums` added up."""
-    return math.sqrt(sums[0] / max(sums[1], 1))
 
 
 def _guard_finding(trainer: pl.Trainer, after: int, step: int) -> tuple[str, int, str] | None:

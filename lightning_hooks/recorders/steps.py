@@ -4,6 +4,7 @@ ring of steps, whether ``.grad`` is zeroed between steps, and each parameter gro
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,8 +13,18 @@ from torch import nn
 from lightning_hooks.core.autograd import dense_gradient
 from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.moments import SPIKE_MIN_HISTORY, loss_level
+from lightning_hooks.stats.batch import Fetched
 
-__all__ = ["CARRY_MATCH", "CARRY_SAMPLE", "Carried", "LossRing", "learning_rate", "weight_decay"]
+__all__ = [
+    "CARRY_MATCH",
+    "CARRY_SAMPLE",
+    "Carried",
+    "LossRing",
+    "Settings",
+    "carried_layers",
+    "learning_rate",
+    "weight_decay",
+]
 
 CARRY_SAMPLE = 8
 """How many parameters, the smallest, tell whether ``.grad`` is zeroed between steps under manual optimization."""
@@ -150,3 +161,70 @@ class LossRing:
             batch.add_vector(("ring", "overflow"), torch.stack([self.overflow.get(s, self.zero) for s in with_norms]))
         self.losses, self.grad_norms, self.overflow = {}, {}, {}
         return steps, set(with_norms)
+
+    def rows(
+        self, fetched: Fetched, steps: list[int], with_norms: set[int]
+    ) -> tuple[list[tuple[int, float]], list[list[float]]]:
+        """Of the ``steps`` :meth:`hand_over` gave (``with_norms``: those with norms), each one's ``(step, loss)`` and
+        its per-parameter gradient norms, empty where none were taken or where a GradScaler skipped the step: its
+        gradients measure the loss scale, not the model."""
+        losses: list[tuple[int, float]] = []
+        norms: list[list[float]] = []
+        if not steps:
+            return losses, norms
+        flat, norm_rows = fetched.vectors[("ring", "loss")], fetched.vectors.get(("ring", "norms"), [])
+        overflowed = fetched.vectors.get(("ring", "overflow"), [])
+        width, row = len(self.params), 0
+        for i, step in enumerate(steps):
+            losses.append((step, flat[i]))
+            taken = step in with_norms and not (row < len(overflowed) and overflowed[row] > 0)
+            norms.append(norm_rows[row * width : (row + 1) * width] if taken else [])
+            row += step in with_norms
+        return losses, norms
+
+
+def carried_layers(fetched: Fetched, carried: dict[str, list[str]]) -> list[str]:
+    """The layers of the optimizers (``carried``: per key of a ``("carried", <key>)`` vector, the layers it steps)
+    each of whose followed parameters' ``.grad`` still held, when their next gradient came, what it held at the
+    previous optimizer step, and still does at this one: nothing zeroed it (see :class:`Carried`)."""
+    layers: list[str] = []
+    for key, names in carried.items():
+        values = fetched.vectors.get(("carried", key), [])
+        rows = list(zip(values[0::3], values[1::3], values[2::3], strict=True))
+        if rows and all(
+            old > 0 and abs(now - old - fresh) <= CARRY_MATCH * (old + abs(fresh)) for old, fresh, now in rows
+        ):
+            layers += names
+    return layers
+
+
+@dataclass
+class Settings:
+    """Per layer, what its optimizers' parameter groups set at the optimizer steps of one logging step: the learning
+    rate (the highest; NaN where the optimizer sets its own), the ``eps`` of an adaptive optimizer, and the weight
+    decay (see :func:`weight_decay`); and, over the fit, the layers an optimizer other than SGD updates."""
+
+    lrs: dict[str, float] = field(default_factory=dict)
+    eps: dict[str, float] = field(default_factory=dict)
+    decay: dict[str, tuple[float, float]] = field(default_factory=dict)
+    adaptive: set[str] = field(default_factory=set)
+
+    def start(self) -> None:
+        """Forget the previous logging step's settings (not which layers are adaptive)."""
+        self.lrs, self.eps, self.decay = {}, {}, {}
+
+    def read(self, optimizer: torch.optim.Optimizer, layer_of: dict[int, str]) -> None:
+        """Read ``optimizer``'s parameter groups for the layers of their parameters (``layer_of``: per parameter id)."""
+        for group in optimizer.param_groups:
+            lr, eps = learning_rate(group), group.get("eps")
+            decay = weight_decay(optimizer, group, lr)
+            for p in group["params"]:
+                if (layer := layer_of.get(id(p))) is not None:
+                    before = self.lrs.get(layer)
+                    self.lrs[layer] = lr if before is None or math.isnan(lr) else max(before, lr)
+                    if isinstance(eps, float):  # Adafactor's is a pair
+                        self.eps[layer] = eps
+                    if decay is not None and decay[0] > self.decay.get(layer, (0.0,))[0]:
+                        self.decay[layer] = decay
+                    if not isinstance(optimizer, torch.optim.SGD):
+                        self.adaptive.add(layer)
