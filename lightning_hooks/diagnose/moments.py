@@ -45,6 +45,8 @@ class Moments:
         self._top_median = 0.0
         self._last_spike: tuple[int, Evidence] | None = None
         self._losses: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)  # step, loss
+        self._kept = 0  # losses kept so far: the level below was taken when there were as many
+        self._level_at: tuple[int, tuple[float, float]] | None = None
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
 
     def growth(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
@@ -138,6 +140,7 @@ class Moments:
                     found.append(spike)
                     continue  # a spike does not become the level the next steps are judged by
             self._losses.append((step, loss))
+            self._kept += 1
             if norms:
                 self._loss_norms.append(norms)
         return found
@@ -149,12 +152,16 @@ class Moments:
         return None if level is None else level[0] + level[1] * self.limits.spike_threshold / 2
 
     def _level(self) -> tuple[float, float] | None:
-        """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses)."""
+        """The loss history's median and robust deviation (``None`` before :data:`SPIKE_MIN_HISTORY` losses), taken
+        again only when a loss was kept since (:meth:`halfway` after a logging step's checks, :meth:`spikes` at the
+        next one, ask the same)."""
         if len(self._losses) < SPIKE_MIN_HISTORY:
             return None
-        median, deviation = loss_level([loss for _, loss in self._losses], self._top_median)
-        self._top_median = max(self._top_median, median)
-        return median, deviation
+        if self._level_at is None or self._level_at[0] != self._kept:
+            median, deviation = loss_level([loss for _, loss in self._losses], self._top_median)
+            self._top_median = max(self._top_median, median)
+            self._level_at = (self._kept, (median, deviation))
+        return self._level_at[1]
 
     def _spike(
         self,
