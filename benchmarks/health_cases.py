@@ -613,6 +613,14 @@ def lenet(optim: Optim) -> Built:
     return Net(net, optim), Tensors(x / 16, y, batch_size=32)
 
 
+def sorted_digits(shuffled: bool) -> Built:
+    """The digits MLP on the training set sorted by class; unless ``shuffled``, the loader keeps that order, so each
+    batch holds one class (a common bug: data read class folder by class folder, ``shuffle`` left at False)."""
+    x, y = digits(flat=True)
+    kept = torch.argsort(y, stable=True)
+    return Net(mlp(64, 10), Optim("adam", 1e-3)), Tensors(x[kept] / 16, y[kept], batch_size=32, shuffle=shuffled)
+
+
 def regression_mlp(optim: Optim, target_scale: float = 1.0, target_offset: float = 0.0) -> Built:
     """An MLP regressing a linear target; ``target_scale`` and ``target_offset`` put it in other units."""
     x, y = regression()
@@ -873,6 +881,10 @@ def programs() -> list[Program]:
         Program(
             "unnormalised inputs (digits x1000)", "mlp", partial(digits_mlp, sgd_m, 1000.0), partial(digits_mlp, sgd_m),
             str(sgd_m), symptom="input_scale", layer="net.0", measurable_step=0,
+        ),
+        Program(
+            "digits sorted by class, not shuffled", "mlp", partial(sorted_digits, False), partial(sorted_digits, True),
+            str(adam), symptom="input_scale", layer=None, measurable_step=0,
         ),
         Program(
             "unnormalised regression targets (x2e4 + 5e4)", "regression-mlp", partial(regression_mlp, adam, 2e4, 5e4),

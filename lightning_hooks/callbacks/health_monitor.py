@@ -80,7 +80,7 @@ class HealthMonitor(StatsCallback):
       not the overflowing gradients of a step an fp16 ``GradScaler`` skips while its scale stays at least 1.
     * ``loss_spike``: a loss ``spike_threshold`` robust deviations above the median of the last 100 steps.
     * ``saturation``, ``input_scale``, ``no_learning``: saturated sigmoid/tanh/softmax outputs, batch
-      tensors far from unit scale, every gradient exactly zero.
+      tensors far from unit scale or batches of one class in turn, every gradient exactly zero.
 
     Noisy checks need ``patience`` consecutive logging steps; conclusive evidence is reported at once.
     A finding that keeps holding has its ``last_step`` advanced. Each new finding is warned once; the

@@ -36,10 +36,12 @@ from lightning_hooks.diagnose.checks import (
     no_backward,
     no_learning,
     nonfinite,
+    one_class,
     rounded_away,
     saturated_layers,
     saturation,
     silent_units,
+    sorted_batches,
     unoptimized,
     update_ratio,
     vanishing_layers,
@@ -146,6 +148,8 @@ class HealthTracker:
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
         self._zero_losses: int | None = 0  # steps from step 0 whose loss was exactly zero, None after any other
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
+        self._classes: deque[tuple[int, float | None]] = deque(maxlen=RISE_MAX)  # per logging step, its labels' class
+        self._labels_path = ""  # the batch tensor they are read from
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
         self.affected: dict[str, int] = {}
@@ -218,7 +222,7 @@ class HealthTracker:
         if "saturation" in on:
             persistent += saturation(snap, self.limits, learnt)
         if "input_scale" in on:
-            immediate += input_scale(snap, self.limits)
+            immediate += input_scale(snap, self.limits) + self._sorted_batches(snap)
             persistent += absent_inputs(snap)
         if "no_learning" in on:
             immediate += stalled or self._no_backward(snap) or ([] if skipped else self._cut_off(snap))
@@ -247,6 +251,17 @@ class HealthTracker:
             layers[check].update(names)
         self.affected = {check: len(names) for check, names in layers.items()}
         return new
+
+    def _sorted_batches(self, snap: Snapshot) -> list[Evidence]:
+        """:func:`sorted_batches` over the logging steps' class labels so far (a step without them starts again)."""
+        path, labels = next(iter(snap.labels.items()), ("", None))
+        if labels is None or path != self._labels_path:
+            self._classes.clear()
+            self._labels_path = path
+        if labels is None:
+            return []
+        self._classes.append((snap.step, one_class(labels)))
+        return sorted_batches(self._classes, path, self.limits)
 
     def _no_backward(self, snap: Snapshot) -> list[Evidence]:
         """:func:`no_backward` once no backward pass and no gradient were seen for :data:`SETTLED` steps and two logging

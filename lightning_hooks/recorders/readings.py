@@ -41,6 +41,9 @@ NORMS = (
     nn.InstanceNorm3d,
 )
 
+LABELS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+"""The dtypes of class labels."""
+
 
 @dataclass
 class Layers:
@@ -113,7 +116,7 @@ class Outputs:
     the layers whose units were counted after a functional activation (``activated``) or after a module without
     weights that other layers fed too (``shared``); the leaves in the order they ran and last ran; the share of each
     sigmoid, tanh and softmax output at its bounds; the output layer's gradient; the batch tensors' RMS and the layers
-    that took them; the units pruned away."""
+    that took them; the class labels' count, sum and sum of squares; the units pruned away."""
 
     order: list[str] = field(default_factory=list)
     executed: list[str] = field(default_factory=list)
@@ -131,6 +134,7 @@ class Outputs:
     entry: tuple[str, float] | None = None
     input_takers: dict[str, str] = field(default_factory=dict)
     pruned: dict[str, list[bool]] = field(default_factory=dict)
+    labels: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 def layer_outputs(fetched: Fetched, recorder: UnitRecorder, replicas: int, layers: Layers) -> Outputs:
@@ -159,6 +163,7 @@ def layer_outputs(fetched: Fetched, recorder: UnitRecorder, replicas: int, layer
         entry=next(((label(k[1]), _rms(v)) for k, v in vectors.items() if k[0] == "entry"), None),
         input_takers={path: label(name) for path, name in recorder.takers.items()},
         pruned={label(k[1]): [v > 0 for v in values] for k, values in vectors.items() if k[0] == "pruned"},
+        labels={k[1]: (v[0], v[1], v[2]) for k, v in vectors.items() if k[0] == "labels"},
     )
     pooled: dict[str, list[State]] = {}  # a nested output's tensors pooled into their layer's
     units = found.units
@@ -246,9 +251,12 @@ def _rms(sums: list[float]) -> float:
 def watch_batch(recorder: UnitRecorder, batch: StatBatch, data: Any, inputs: bool) -> None:
     """Show ``recorder`` the floating-point tensors of a training batch ``data``: the last one's size, which an output
     layer with as many values gives; with ``inputs``, each one's RMS (added to ``batch``) and, but for the targets (the
-    last of several), its address and size, by which the layer that takes it is found."""
+    last of several), its address and size, by which the layer that takes it is found; and, where the last of several
+    tensors is a vector of integers (class labels), their count, sum and sum of squares, which tell whether they are
+    all one class."""
     recorder.batch_tensors, recorder.batch_sizes, recorder.sums = {}, {}, {}  # a previous micro-batch's were freed
-    floats = [(path, t) for path, t in named_tensors(data) if t.is_floating_point() and t.numel()]
+    tensors = list(named_tensors(data))
+    floats = [(path, t) for path, t in tensors if t.is_floating_point() and t.numel()]
     recorder.target_numel = floats[-1][1].numel() if len(floats) > 1 else None
     if not inputs:
         return
@@ -258,6 +266,11 @@ def watch_batch(recorder: UnitRecorder, batch: StatBatch, data: Any, inputs: boo
             recorder.batch_tensors[t.data_ptr()] = path
             if i < len(floats) - 1 or len(floats) == 1:  # not the targets: no layer takes them
                 recorder.batch_sizes.setdefault(t.numel(), path)
+    path, last = tensors[-1] if len(tensors) > 1 else ("", None)
+    if last is not None and last.dim() == 1 and last.layout == torch.strided and last.dtype in LABELS and last.numel():
+        labels = last.double()
+        count = labels.new_full((), float(labels.numel()))
+        batch.add_vector(("labels", path), torch.stack([count, labels.sum(), labels.square().sum()]))
 
 
 def ungraded_weights(

@@ -11,7 +11,7 @@ from lightning_hooks.diagnose.checks.gradients import (
     mean_gradients,
     vanishing_layers,
 )
-from lightning_hooks.diagnose.checks.inputs import absent_inputs, input_scale
+from lightning_hooks.diagnose.checks.inputs import absent_inputs, input_scale, one_class, sorted_batches
 from lightning_hooks.diagnose.checks.nonfinite import nonfinite
 from lightning_hooks.diagnose.checks.snapshot import (
     CONVERGED,
@@ -60,10 +60,12 @@ __all__ = [
     "no_backward",
     "no_learning",
     "nonfinite",
+    "one_class",
     "rounded_away",
     "saturated_layers",
     "saturation",
     "silent_units",
+    "sorted_batches",
     "stepless",
     "unoptimized",
     "update_ratio",

@@ -1,9 +1,10 @@
-"""Checks on the batch: inputs or targets far from unit scale, or all zeros."""
+"""Checks on the batch: inputs or targets far from unit scale, all zeros, or batches sorted by class."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks.snapshot import (
@@ -12,7 +13,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Thresholds,
 )
 
-__all__ = ["INPUT_SCALE", "ALIKE_SCALE", "input_scale", "absent_inputs"]
+__all__ = ["INPUT_SCALE", "ALIKE_SCALE", "MIN_LABELS", "input_scale", "absent_inputs", "one_class", "sorted_batches"]
 
 INPUT_SCALE = 100.0
 """``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
@@ -108,3 +109,40 @@ def _taker(snap: Snapshot, path: str, rms: float, entry: bool = True) -> tuple[s
 def _off_scale(rms: float, factor: float = INPUT_SCALE) -> int:
     """1 for an RMS ``factor`` times above 1 or more, -1 for one as far below (but not 0), else 0."""
     return 1 if rms >= factor else -1 if 0 < rms <= 1 / factor else 0
+
+
+MIN_LABELS = 8
+"""``input_scale`` judges the class labels of a batch that holds at least this many (8 labels drawn at random from two
+balanced classes are all one class once in 128 batches; three such batches in a row, once in two million)."""
+
+
+def one_class(labels: tuple[float, float, float]) -> float | None:
+    """The class every label of a batch is, from their count, sum and sum of squares (their squared deviations add up
+    to 0, where labels of two classes give at least ``(n - 1) / n``); None when they differ or are fewer than
+    :data:`MIN_LABELS`."""
+    count, total, squares = labels
+    if count < MIN_LABELS:
+        return None
+    return total / count if squares - total * total / count < 0.5 else None
+
+
+def sorted_batches(seen: Sequence[tuple[int, float | None]], path: str, limits: Thresholds) -> list[Evidence]:
+    """A training set sorted by class and not shuffled: the batch checked at each of the last ``patience`` logging
+    steps or more (``seen``: per logging step, in order, the one class of its labels ``path``, or None) held a single
+    class, and two or more classes came in turn. Each batch teaches the model that every sample is of its class: it
+    forgets the others between their turns. Named after the model (``root``): no layer is to blame."""
+    run: list[tuple[int, float]] = []
+    for step, value in reversed(seen):
+        if value is None:
+            break
+        run.insert(0, (step, value))
+    classes = list(dict.fromkeys(value for _, value in run))
+    if len(run) < limits.patience or len(classes) < 2:
+        return []
+    shown = ", ".join(f"{value:g}" for value in classes[:6]) + (", ..." if len(classes) > 6 else "")
+    said = (
+        f"every batch checked at the last {len(run)} logging steps held a single class (`{path}`: {shown}, in turn): "
+        f"the training set is sorted by class and not shuffled, so the model learns that every sample is of the "
+        f"current batch's class and forgets the others; shuffle it (`DataLoader(..., shuffle=True)`)."
+    )
+    return [Evidence("input_scale", ("root",), float(len(classes)), 2.0, said, step=run[0][0], group="unshuffled")]

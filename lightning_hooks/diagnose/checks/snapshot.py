@@ -103,6 +103,8 @@ class Snapshot:
     taken: dict[str, float] = field(default_factory=dict)  # per batch tensor (path), the RMS of what its taker took
     entry: tuple[str, float] | None = None  # the first layer to take a floating-point tensor, and that tensor's RMS
     normalizers: frozenset[str] = frozenset()  # normalization layers (batch, layer, group, instance, RMS)
+    labels: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # the batch's class labels (its
+    # last tensor, integers): their count, sum and sum of squares
 
 
 @dataclass(frozen=True)
