@@ -92,7 +92,8 @@ def weight_decay(optimizer: torch.optim.Optimizer, group: dict[str, Any], lr: fl
 
 class LossRing:
     """The last ``size`` optimizer steps' losses and per-parameter gradient norms, kept on device until
-    :meth:`hand_over`; on a CPU, a quiet step's norms only if its loss reaches ``halfway`` or is not finite. Before the
+    :meth:`hand_over`; on a CPU, where reading the loss costs nothing, the loss as a number, and a quiet step's norms
+    only if its loss reaches ``halfway`` or is not finite. Before the
     monitor has a loss history to give ``halfway`` (at the first logging step with :data:`SPIKE_MIN_HISTORY` losses
     before it), the ring takes it from the losses it holds once they are as many, as the monitor would
     (``threshold``: its ``spike_threshold``)."""
@@ -100,7 +101,7 @@ class LossRing:
     def __init__(self, params: list[torch.Tensor], size: int, device: torch.device, threshold: float) -> None:
         self.params, self.size, self.threshold = params, size, threshold
         self.zero = torch.zeros((), device=device)
-        self.losses: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, Any] = {}  # per step, its loss: a tensor, or on a CPU a float
         self.grad_norms: dict[int, torch.Tensor] = {}
         self.overflow: dict[int, torch.Tensor] = {}  # of the steps with norms, a GradScaler's flag where there is one
         self.halfway: float | None = None
@@ -108,10 +109,15 @@ class LossRing:
         self._loss_step = -1
 
     def loss(self, step: int, loss: torch.Tensor) -> None:
+        # on a CPU, read from host memory (`tolist` waits for nothing and dispatches no operator); on an accelerator,
+        # kept on the device until the logging step's one transfer
+        value: Any = loss.tolist() if self._on_host else loss.detach()
+        if isinstance(value, list):  # a loss of shape (1,)
+            value = math.fsum(value)
         if step == self._loss_step:  # a further micro-batch of the step (Lightning divides each by their count)
-            self.losses[step] = self.losses[step] + loss.detach()
+            self.losses[step] = self.losses[step] + value
             return
-        self.losses[step] = loss.detach()
+        self.losses[step] = value
         self._loss_step = step
         if len(self.losses) > self.size:
             oldest = next(iter(self.losses))  # steps are kept in the order they came
@@ -128,13 +134,13 @@ class LossRing:
         # On a CPU reading the loss costs nothing and torch's foreach norm loops over the tensors, so a quiet step
         # takes the norms only when its loss is half-way to a spike (measured: docs/performance.md, HealthMonitor);
         # on an accelerator deciding would wait for the device.
-        if self._on_host and self.halfway is None and len(self.losses) > SPIKE_MIN_HISTORY:
-            earlier = [loss for kept, loss in self.losses.items() if kept != step]  # read once, when there are enough
-            if history := [x for x in torch.stack(earlier).float().tolist() if math.isfinite(x)]:
+        if self._on_host and self.halfway is None and len(self.losses) > SPIKE_MIN_HISTORY:  # enough to judge by
+            history = [x for kept, x in self.losses.items() if kept != step and math.isfinite(x)]
+            if history:
                 median, deviation = loss_level(history)
                 self.halfway = median + deviation * self.threshold / 2
         quiet = self._on_host and not logging and self.halfway is not None and step in self.losses
-        if quiet and float(self.losses[step]) < self.halfway:  # type: ignore[operator]  # NaN compares false
+        if quiet and self.losses[step] < self.halfway:  # NaN compares false
             return
         if taken is not None:
             self.grad_norms[step] = taken
@@ -154,7 +160,9 @@ class LossRing:
         steps = sorted(self.losses)
         with_norms = [s for s in steps if s in self.grad_norms]
         if steps:
-            batch.add_vector(("ring", "loss"), torch.stack([self.losses[s] for s in steps]).float())
+            losses = [self.losses[s] for s in steps]
+            kept = torch.tensor(losses, dtype=torch.float32) if self._on_host else torch.stack(losses).float()
+            batch.add_vector(("ring", "loss"), kept)
         if with_norms:
             batch.add_vector(("ring", "norms"), torch.cat([self.grad_norms[s] for s in with_norms]))
         if self.overflow:

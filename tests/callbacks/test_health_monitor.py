@@ -327,7 +327,7 @@ def test_the_summary_has_a_line_per_finding() -> None:
     ]
 
 
-def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_reads_nothing_until_hand_over() -> None:
+def test_on_a_cpu_the_ring_takes_the_norms_of_steps_that_could_be_spikes_and_keeps_losses_as_numbers() -> None:
     from lightning_hooks.recorders.steps import LossRing
     from lightning_hooks.stats.batch import StatBatch
 

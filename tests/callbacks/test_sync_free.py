@@ -64,7 +64,7 @@ class MeteredSteps:
     """Two callbacks, ``first`` and ``last``, that hold a :class:`HostReads` over each quiet step's batch (each
     logging step's, with ``logging``); ``per_step`` holds the reads of each such step."""
 
-    def __init__(self, logging: bool = False) -> None:
+    def __init__(self, logging: bool = False, every: int = EVERY) -> None:
         self.mode = HostReads()
         self.steps: list[int] = []
         self.per_step: list[list[str]] = []
@@ -73,7 +73,7 @@ class MeteredSteps:
 
         class First(pl.Callback):
             def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-                if (trainer.global_step % EVERY == 0) == logging:
+                if (trainer.global_step % every == 0) == logging:
                     meter.steps.append(trainer.global_step)
                     meter.mode.reads = []
                     meter.per_step.append(meter.mode.reads)
@@ -95,18 +95,25 @@ class MeteredSteps:
             self.mode.__exit__(None, None, None)
 
 
-def step_reads(tmp_path: Path, callbacks: list[pl.Callback], device: str, logging: bool = False) -> list[list[str]]:
+def step_reads(
+    tmp_path: Path,
+    callbacks: list[pl.Callback],
+    device: str,
+    logging: bool = False,
+    steps: int = STEPS,
+    every: int = EVERY,
+) -> list[list[str]]:
     """Where each host read of each quiet step (each logging step, with ``logging``) of a 12-step fit happened."""
-    meter = MeteredSteps(logging)
+    meter = MeteredSteps(logging, every)
     trainer = make_trainer(
         tmp_path,
         [meter.first, *callbacks, meter.last],
         accelerator=device,
-        max_steps=STEPS,
-        log_every_n_steps=EVERY,
+        max_steps=steps,
+        log_every_n_steps=every,
     )
     trainer.fit(TinyNet(n=64, batch_size=16))  # every batch the same shape: ShapeLogger has no reason to look
-    assert meter.steps == (LOGGING if logging else QUIET)
+    assert meter.steps == [s for s in range(steps) if (s % every == 0) == logging]
     return meter.per_step
 
 
@@ -138,6 +145,15 @@ def test_lightning_alone_reads_nothing_on_a_quiet_step(tmp_path: Path, device: s
 @pytest.mark.parametrize("name", CALLBACKS)
 def test_a_callback_reads_nothing_on_a_quiet_step(tmp_path: Path, name: str, device: str) -> None:
     assert quiet_reads(tmp_path, [CALLBACKS[name]()], device) == []
+
+
+@pytest.mark.parametrize("device", devices())
+def test_the_health_monitor_reads_nothing_once_its_ring_knows_the_half_way_loss(tmp_path: Path, device: str) -> None:
+    # Logging every 30 steps, the ring holds 31 losses: from step 21 it knows the half-way loss to a spike, and on a
+    # CPU it compares each quiet step's loss with it. It did so with `float(loss)`, a host read the meter sees (no
+    # wait on a CPU, but a read all the same); it now keeps the loss as a number read from host memory.
+    reads = step_reads(tmp_path, [HealthMonitor()], device, steps=40, every=30)
+    assert [where for step in reads for where in step] == []
 
 
 @pytest.mark.parametrize("device", devices())
