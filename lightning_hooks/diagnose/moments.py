@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from lightning_hooks.core.select import label
-from lightning_hooks.diagnose.checks import SETTLED, SHOWN_LAYERS, Evidence, Snapshot, Thresholds
+from lightning_hooks.diagnose.checks.snapshot import SETTLED, SHOWN_LAYERS, Evidence, Snapshot, Thresholds, listed
 
 __all__ = ["RISE_MAX", "SPIKE_MIN_HISTORY", "SPIKE_WINDOW", "Moments", "loss_level"]
 
@@ -112,7 +112,7 @@ class Moments:
         )
         said = (
             f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
-            f"at step {last_step}), most in {_names(grew)}; {fix}"
+            f"at step {last_step}), most in {listed(grew)}; {fix}"
         )
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
@@ -190,7 +190,7 @@ class Moments:
         order = {n: i for i, n in enumerate(dict.fromkeys(layers))}
         worst = sorted(alike, key=lambda n: -order[n])[:SHOWN_LAYERS]
         where = (
-            f"; the gradient norm jumped most in {_names(worst)} ({jumps[worst[0]]:.3g}× its recent median)"
+            f"; the gradient norm jumped most in {listed(worst)} ({jumps[worst[0]]:.3g}× its recent median)"
             if worst
             else ""
         )
@@ -208,10 +208,6 @@ def loss_level(history: Sequence[float], top_median: float = 0.0) -> tuple[float
     median = statistics.median(history)
     mad = statistics.median(abs(x - median) for x in history)
     return median, max(MAD_SCALE * mad, SPIKE_FLOOR * max(top_median, median), 1e-12)
-
-
-def _names(layers: Sequence[str]) -> str:
-    return ", ".join(f"`{label(n)}`" for n in layers)
 
 
 def _ratio(new: float, old: float) -> float:

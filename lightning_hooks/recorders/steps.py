@@ -223,6 +223,7 @@ class Settings:
 
     def read(self, optimizer: torch.optim.Optimizer, layer_of: dict[int, str]) -> None:
         """Read ``optimizer``'s parameter groups for the layers of their parameters (``layer_of``: per parameter id)."""
+        adaptive = not isinstance(optimizer, torch.optim.SGD)
         for group in optimizer.param_groups:
             lr, eps = learning_rate(group), group.get("eps")
             decay = weight_decay(optimizer, group, lr)
@@ -234,5 +235,5 @@ class Settings:
                         self.eps[layer] = eps
                     if decay is not None and decay[0] > self.decay.get(layer, (0.0,))[0]:
                         self.decay[layer] = decay
-                    if not isinstance(optimizer, torch.optim.SGD):
+                    if adaptive:
                         self.adaptive.add(layer)
