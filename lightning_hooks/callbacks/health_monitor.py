@@ -64,14 +64,14 @@ class HealthMonitor(StatsCallback):
     """Apply the rules of "what healthy and unhealthy look like" to the statistics, and name the layer.
 
     Every ``log_every_n_steps`` optimizer steps it gathers the outputs of each selected leaf module
-    (:func:`~lightning_hooks.core.select.is_layer`),
-    the parameter gradients and the update ratio ``||Δw|| / ||w||`` of each layer, pooled across DDP
-    ranks, and runs its checks (every rank computes them, rank zero writes):
+    (:func:`~lightning_hooks.core.select.is_layer`), the parameter gradients and the update ratio ``||Δw|| / ||w||``
+    of each layer, pooled across DDP ranks, and runs its checks (every rank computes them, rank zero writes):
 
     * ``dead_units``: ``dead_fraction`` of a layer's units zero for every sample of a window of checks.
-    * ``vanishing_gradients`` / ``exploding_gradients``: a layer learning ``gradient_spread`` times less /
-      more than its peers (update ratio; under SGD also mean ``|gradient|``), the gradient norm rising
-      steadily ``norm_growth``-fold, or one SGD step moving a layer by 1,000 times its weights.
+    * ``vanishing_gradients``: a layer learning ``gradient_spread`` times less than its peers (update ratio; under
+      SGD also mean ``|gradient|``), or a gradient shrinking that much along the depth toward the input.
+    * ``exploding_gradients``: the gradient norm rising steadily ``norm_growth``-fold, or one SGD step moving a
+      layer by 1,000 times its weights.
     * ``update_ratio``: ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]`` (above it only for a
       parameter group at ten times its peers' learning rate; below it only while the learning rate is at its peak:
       a warm-up or decay makes small steps by design).
@@ -97,8 +97,8 @@ class HealthMonitor(StatsCallback):
         types: Class names of modules to watch, matched along the class hierarchy.
         max_depth: Watch modules at most this many levels below the LightningModule.
         dead_fraction: Share of a layer's units that must be dead (0.7).
-        gradient_spread: How many times less or more than its peers a layer must learn (1e3: three
-            orders of magnitude).
+        gradient_spread: How many times less than its peers a layer must learn (1e3: three orders of
+            magnitude).
         norm_growth: How many times the total gradient norm must grow over a steady rise (100).
         update_ratio_low: The lowest healthy ``||Δw|| / ||w||`` per step (1e-6).
         update_ratio_high: The highest healthy ``||Δw|| / ||w||`` per step (0.1).

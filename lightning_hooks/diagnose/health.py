@@ -40,6 +40,7 @@ from lightning_hooks.diagnose.checks import (
     rounded_away,
     saturated_layers,
     saturation,
+    scaled_down,
     silent_units,
     sorted_batches,
     unoptimized,
@@ -140,6 +141,7 @@ class HealthTracker:
         self._first_gradient: float | None = None  # and its median layer's mean |gradient|
         self._saturated_early: set[str] = set()  # the layers saturated at a logging step before the run settled
         self._zero_start: set[str] = set()
+        self._scaled_down: frozenset[str] = frozenset()  # the layers behind them (see scaled_down)
         self._first_weights: dict[str, tuple[float, float]] = {}  # per layer, its weights' and gradient's norms when
         # first seen
         self._lr_peak: dict[str, float] = {}  # per layer, the highest learning rate of the fit so far
@@ -161,11 +163,14 @@ class HealthTracker:
         persistent: list[Evidence] = []
         immediate: list[Evidence] = []
         on = set(self.checks)
+        zero = len(self._zero_start)
         for name in snap.weights.keys() - self._first_weights.keys():
             grad = snap.grads.get(name)
             self._first_weights[name] = (snap.weights[name], math.sqrt(max(grad.sum_sq, 0.0)) if grad else 0.0)
             if snap.weights[name] < ZERO_START * math.sqrt(snap.weight_sizes.get(name, 1)):
                 self._zero_start.add(name)
+        if len(self._zero_start) > zero:
+            self._scaled_down = scaled_down(self._zero_start, snap.order)
         self._carried |= frozenset(snap.carried)
         skip = frozenset(self._zero_start) | self._carried  # the gradient of a `.grad` never zeroed: a running sum
         left_out = snap.unoptimized | self._carried
@@ -191,9 +196,11 @@ class HealthTracker:
         grown = self._activation_growth(snap, settling, learning) if "activation_growth" in on else []
         grown = [] if decayed else grown  # beside the layers the decay shrank, any output looks huge
         # The layers dead units feed learn nothing, and a layer whose output grew a thousand-fold has weights too large
-        # for its steps to move: `dead_units` and `activation_growth` name why.
+        # for its steps to move: `dead_units` and `activation_growth` name why. Those behind a scale that started at
+        # zero get its small gradient by design.
         large = {e.layers[0] for e in grown}
-        starved = skip | fed_by(snap, {e.layers[0] for e in dead}) | {n for n in snap.order if label(n) in large}
+        starved = skip | self._scaled_down | fed_by(snap, {e.layers[0] for e in dead})
+        starved |= {n for n in snap.order if label(n) in large}
         learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []
         if on & {"vanishing_gradients", "exploding_gradients"} and judged:

@@ -9,6 +9,7 @@ from lightning_hooks.diagnose.checks.gradients import (
     giant_steps,
     gradient_spread,
     mean_gradients,
+    scaled_down,
     vanishing_layers,
 )
 from lightning_hooks.diagnose.checks.inputs import absent_inputs, input_scale, one_class, sorted_batches
@@ -64,6 +65,7 @@ __all__ = [
     "rounded_away",
     "saturated_layers",
     "saturation",
+    "scaled_down",
     "silent_units",
     "sorted_batches",
     "stepless",

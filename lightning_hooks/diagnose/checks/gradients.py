@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks.snapshot import (
@@ -17,6 +17,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
 )
 
 __all__ = [
+    "scaled_down",
     "STARVED",
     "mean_gradients",
     "vanishing_layers",
@@ -32,6 +33,24 @@ __all__ = [
     "GIANT_STEP",
     "giant_steps",
 ]
+
+
+def scaled_down(zero: Collection[str], layers: Collection[str]) -> frozenset[str]:
+    """The layers whose gradient passes through a scale that started at zero by design (the layers in ``zero``), as
+    far as module nesting tells: those inside the smallest module that holds such a scale and some other layer of
+    ``layers``. A block owning its layer scale (ConvNeXt's ``layer_scale_parameter``, BEiT's ``lambda_1``), the block
+    around a ``LayerScale`` module (DINOv2, CaiT), the LoRA wrapper around its ``lora_B``, a ResNet block whose last
+    batch norm starts at zero (``zero_init_residual``): the output of their branch is multiplied by about zero, and so
+    is the gradient of every layer in it. Not when no module but the root holds another layer (every weight zero)."""
+
+    def holders(name: str) -> list[str]:  # the modules around it, innermost first ("a.b.c": "a.b", "a")
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+    holding = {module for name in layers if name not in zero for module in holders(name)}  # another layer
+    owners = {next((m for m in holders(name) if m in holding), "") for name in zero} - {""}
+    return frozenset(n for n in layers if n not in zero and not owners.isdisjoint(holders(n)))
+
 
 STARVED = 1e-3
 """Under an adaptive optimizer, a layer whose mean ``|gradient|`` is below this share of the optimizer's ``eps`` takes
@@ -99,18 +118,23 @@ def depth_trend(means: Sequence[float]) -> float:
 def gradient_spread(
     snap: Snapshot, limits: Thresholds, skip: frozenset[str] = frozenset(), converged: bool = False
 ) -> list[Evidence]:
-    """Layers that learn ``gradient_spread`` times less (vanishing) or more (exploding) than their peers.
+    """Layers that learn ``gradient_spread`` times less than their peers: a vanishing gradient.
 
-    A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio
-    against its peers' (the layers of its :func:`role`, or all layers), or by its mean ``|gradient|`` against the
-    optimizer's ``eps`` (:data:`STARVED`: below it, the step is the gradient over ``eps``, not over its own scale, and
-    weight decay alone keeps the update ratio up); under SGD by its update ratio and by its mean ``|gradient|`` against
-    the median layer's. Layers in ``skip`` (started at zero) are not judged, nor embedding tables against ``eps`` (a
-    batch reaches a few of their rows), nor any layer against ``eps`` once the run ``converged``.
-    Vanishing layers are named nearest the input first and only before the first exploding one, and the
-    other way round; adaptive optimizers normalise exploding gradients away, so those are not judged here. Under SGD,
-    a gradient that shrinks steadily toward the input (:func:`depth_trend`) by ``gradient_spread`` or more is one
-    finding, vanishing in the layers that far below the largest, and nothing is exploding.
+    A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio against its
+    peers' (the layers of its :func:`role`, or all layers), or by its mean ``|gradient|`` against the optimizer's
+    ``eps`` (:data:`STARVED`: below it, the step is the gradient over ``eps``, not over its own scale, and weight decay
+    alone keeps the update ratio up); under SGD by its update ratio and by its mean ``|gradient|`` against the median
+    layer's, and only when no layer that runs before it (but embedding tables) gets a gradient near the median's: one
+    that reached the layers before it was not lost on the way (an attention's queries and keys get little while it is
+    near uniform). Layers in ``skip`` (started at zero, or behind a scale that did: :func:`scaled_down`) are not
+    judged, nor embedding tables against ``eps`` (a batch reaches a few of their rows), nor any layer against ``eps``
+    once the run ``converged``. Under SGD, a gradient that shrinks steadily toward the input (:func:`depth_trend`) by
+    ``gradient_spread`` or more is one finding, in the layers that far below the largest.
+
+    A layer far *above* its peers is not judged: under an adaptive optimizer its step is normalised, and under SGD it
+    may be the others that are slow (BART's tied embedding and output layer gets a thousand times the median layer's
+    gradient in a run whose loss falls well). A gradient that explodes shows as a norm that keeps growing, a giant
+    step or an overflow, which ``Moments``, :func:`giant_steps` and ``nonfinite`` name.
     """
     means = mean_gradients(snap, skip)
     if len(means) < 3:
@@ -140,35 +164,27 @@ def gradient_spread(
         and mean < (eps := snap.eps.get(name, 0.0)) * STARVED
     }
 
-    def off(name: str, low: bool) -> bool:
-        by_ratio = name in ratio_peers and (
-            ratios[name] <= ratio_peers[name] / spread if low else ratios[name] >= ratio_peers[name] * spread
-        )
-        if name in snap.adaptive:
-            return low and (by_ratio or name in starved)
-        by_gradient = means[name] <= median / spread if low else means[name] >= median * spread
-        return by_gradient and (by_ratio or name not in ratio_peers)
-
     position = {name: i for i, name in enumerate(snap.order)}
-    low = [n for n in means if off(n, True)]
-    high = [n for n in means if off(n, False)]
-    first_low = min((position[n] for n in low), default=math.inf)
-    first_high = min((position[n] for n in high), default=math.inf)
-    vanishing = (
-        f" and its weights change {spread:.0e} times less than its peers': they barely learn; try residual "
-        f"connections, normalization layers, ReLU/GELU instead of sigmoid or tanh, or a better initialisation."
-    )
-    exploding = "; try gradient clipping (`gradient_clip_val`, `GradClamp`), a lower learning rate or warm-up."
+    reached, learnt = {}, False  # per layer, whether one before it gets a gradient near the median's
+    for name in sorted(means, key=position.__getitem__):
+        reached[name] = learnt
+        learnt = learnt or (means[name] > median / spread and name not in snap.embeddings)
+
+    def vanishing(name: str) -> bool:
+        by_ratio = name in ratio_peers and ratios[name] <= ratio_peers[name] / spread
+        if name in snap.adaptive:
+            return by_ratio or name in starved
+        return means[name] <= median / spread and (by_ratio or name not in ratio_peers) and not reached[name]
+
     found = []
-    for check, names, before, fix, line in (
-        ("vanishing_gradients", low, first_high, vanishing, 1 / spread),
-        ("exploding_gradients", high, first_low, exploding, spread),
-    ):
-        for name in sorted((n for n in names if position[n] < before and n not in starved), key=position.__getitem__):
-            ratio = means[name] / median
-            said = f"the gradient of `{label(name)}` is {ratio:.1e} times the median layer's (mean |g| "
-            said += f"{means[name]:.2e}){fix}"
-            found.append(Evidence(check, (label(name),), ratio, line, said))
+    for name in sorted((n for n in means if vanishing(n) and n not in starved), key=position.__getitem__):
+        said = (
+            f"the gradient of `{label(name)}` is {means[name] / median:.1e} times the median layer's (mean |g| "
+            f"{means[name]:.2e}) and its weights change {spread:.0e} times less than its peers': they barely learn; "
+            f"try residual connections, normalization layers, ReLU/GELU instead of sigmoid or tanh, or a better "
+            f"initialisation."
+        )
+        found.append(Evidence("vanishing_gradients", (label(name),), means[name] / median, 1 / spread, said))
     if starved:  # one finding: they starve together (every starved layer is among the low ones)
         names = sorted(starved, key=position.__getitem__)
         share = min(means[n] / starved[n] for n in names)

@@ -52,21 +52,22 @@ def update_ratio(
     below the peers': there a layer's ratio is about the learning rate over its weights' RMS whatever its gradient, so
     norm gains (about 1) are the first below the range (at DPO's 5e-7 they alone are, while every other layer moves by
     some 1e-5 of its norm a step); under SGD the ratio follows the gradient, and a layer alone below the range has lost
-    it.
+    it, unless a layer that runs before it (but embedding tables) learns within the range: a gradient that reached those
+    was not lost on the way to it (an attention's queries and keys get little while it is near uniform).
 
-    Step 0, layers in ``skip`` (started at zero by design) and layers under an adaptive optimizer before step
-    :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged; layers in
-    ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged below the
-    range: their steps are small by design; nor is any layer once the run ``converged`` (its loss or its gradient fell
-    :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its tolerance none; nor a
-    layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead, which ``dead_units``
-    names), and a higher learning rate would change nothing; nor a layer that runs before one of the layers
-    ``explained`` (those ``saturation`` names, and those ``vanishing_gradients`` names for a gradient that fades along
-    the depth): the gradient reaching it passes through saturated units or fades on its way, and a higher learning
-    rate would not bring it back.
-    But a scheduled layer in ``faded`` (its learning rate, as a share of its peak, fell below :data:`FADED` with half
-    the fit to go) is judged below the range: those below it make one finding, named after the schedule. Layers below
-    the range with the median layer make one finding too: the learning rate is too low for the whole model.
+    Step 0, layers in ``skip`` (started at zero by design, or behind a scale that did) and layers under an adaptive
+    optimizer before step :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged;
+    layers in ``scheduled`` (their learning rate warming up, decaying or set by the optimizer itself) are not judged
+    below the range: their steps are small by design; nor is any layer once the run ``converged`` (its loss or its
+    gradient fell :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its
+    tolerance none; nor a layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead,
+    which ``dead_units`` names), and a higher learning rate would change nothing; nor a layer that runs before one of
+    the layers ``explained`` (those ``saturation`` names, and those ``vanishing_gradients`` names for a gradient that
+    fades along the depth): the gradient reaching it passes through saturated units or fades on its way, and a higher
+    learning rate would not bring it back. But a scheduled layer in ``faded`` (its learning rate, as a share of its
+    peak, fell below :data:`FADED` with half the fit to go) is judged below the range: those below it make one finding,
+    named after the schedule. Layers below the range with the median layer make one finding too: the learning rate is
+    too low for the whole model.
     """
     faded = faded or {}
     if snap.step == 0:
@@ -89,6 +90,10 @@ def update_ratio(
     everywhere = overall < limits.update_ratio_low
     position = {name: i for i, name in enumerate(snap.order)}
     squashed = max((position[n] for n in explained if n in position), default=-1)  # the last one explained
+    reached, learnt = {}, False  # per layer, whether one that runs before it learns (not an embedding: few rows do)
+    for name, ratio in judged.items():
+        reached[name] = learnt
+        learnt = learnt or (ratio >= limits.update_ratio_low and name not in snap.embeddings)
     for name, ratio in judged.items():
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
             continue
@@ -110,6 +115,8 @@ def update_ratio(
                 crawling.append(name)
             continue
         elif below and name not in scheduled and not converged and position[name] > squashed:
+            if not (slower or name in snap.adaptive or name in snap.embeddings) and reached[name]:
+                continue  # under SGD, alone, but the gradient reached a layer before it that learns: not lost
             threshold = limits.update_ratio_low
             if slower:
                 said = (
