@@ -1036,6 +1036,9 @@ def healthy() -> list[Case]:
         ("resnet", partial(vision, "resnet"), sgd_m, fp32), ("resnet", partial(vision, "resnet"), adamw_flat, bf16),
         ("wav2vec2", wav2vec2, adamw, fp32), ("wav2vec2", wav2vec2, adamw_slow, bf16),
         ("whisper", whisper, adamw, fp32), ("whisper", whisper, adamw_flat, bf16),
+        # under SGD, a transformer's attention queries and keys get a small gradient while it is near uniform
+        ("bart", partial(seq2seq, "bart"), sgd_m, fp32), ("wav2vec2", wav2vec2, Optim("sgd", 0.01, momentum=0.9), fp32),
+        ("whisper", whisper, Optim("sgd", 0.01, momentum=0.9), fp32),
         ("lenet", lenet, sgd_m, fp32), ("lenet", lenet, adamw, bf16),
         ("mlp", digits_mlp, Optim("sgd", 0.1, momentum=0.9), fp32), ("mlp", digits_mlp, adam, bf16),
         ("regression-mlp", regression_mlp, Optim("sgd", 0.05), fp32),
