@@ -203,10 +203,10 @@ class HealthTracker:
         starved |= {n for n in snap.order if label(n) in large}
         learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []
-        if on & {"vanishing_gradients", "exploding_gradients"} and judged:
+        if "vanishing_gradients" in on and judged:
             spread = gradient_spread(snap, self.limits, starved, converged)
             # a gradient that fades through saturated units: `saturation` names the cause
-            persistent += [e for e in spread if e.check in on and not (squashed and e.group == FADING)]
+            persistent += [e for e in spread if not (squashed and e.group == FADING)]
         if "exploding_gradients" in on:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
             immediate += self._moments.growth(snap, left_out)

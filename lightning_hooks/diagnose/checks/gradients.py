@@ -166,7 +166,7 @@ def gradient_spread(
 
     position = {name: i for i, name in enumerate(snap.order)}
     reached, learnt = {}, False  # per layer, whether one before it gets a gradient near the median's
-    for name in sorted(means, key=position.__getitem__):
+    for name in means:  # in model order
         reached[name] = learnt
         learnt = learnt or (means[name] > median / spread and name not in snap.embeddings)
 
