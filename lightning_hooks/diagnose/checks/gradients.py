@@ -120,21 +120,23 @@ def gradient_spread(
 ) -> list[Evidence]:
     """Layers that learn ``gradient_spread`` times less than their peers: a vanishing gradient.
 
-    A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio against its
-    peers' (the layers of its :func:`role`, or all layers), or by its mean ``|gradient|`` against the optimizer's
-    ``eps`` (:data:`STARVED`: below it, the step is the gradient over ``eps``, not over its own scale, and weight decay
-    alone keeps the update ratio up); under SGD by its update ratio and by its mean ``|gradient|`` against the median
-    layer's, and only when no layer that runs before it (but embedding tables) gets a gradient near the median's: one
-    that reached the layers before it was not lost on the way (an attention's queries and keys get little while it is
-    near uniform). Layers in ``skip`` (started at zero, or behind a scale that did: :func:`scaled_down`) are not
-    judged, nor embedding tables against ``eps`` (a batch reaches a few of their rows), nor any layer against ``eps``
-    once the run ``converged``. Under SGD, a gradient that shrinks steadily toward the input (:func:`depth_trend`) by
-    ``gradient_spread`` or more is one finding, in the layers that far below the largest.
+    A layer is judged the way its optimizer sees it: under an adaptive optimizer by its update ratio against its peers'
+    (the layers of its :func:`role`, or all layers), or by its mean ``|gradient|`` against the optimizer's ``eps``
+    (:data:`STARVED`: below it, the step is the gradient over ``eps``, not over its own scale, and weight decay alone
+    keeps the update ratio up); under SGD by its update ratio and by its mean ``|gradient|`` against the median layer's,
+    and only when no layer that runs before it (but embedding tables) gets a gradient near the median's: one that
+    reached the layers before it was not lost on the way (an attention's queries and keys get little while it is near
+    uniform). Layers in ``skip`` (started at zero, or behind a scale that did: :func:`scaled_down`) are not judged, nor
+    embedding tables against ``eps`` (a batch reaches a few of their rows), nor any layer against ``eps`` once the run
+    ``converged``, nor a layer below ``eps`` after one that is not (the signal reached past it: at AdamW's ``eps=1e-3``
+    a transformer's attention queries and keys get 1e-7 while it is near uniform). Under SGD, a gradient that shrinks
+    steadily toward the input (:func:`depth_trend`) by ``gradient_spread`` or more is one finding, in the layers that
+    far below the largest.
 
     A layer far *above* its peers is not judged: under an adaptive optimizer its step is normalised, and under SGD it
     may be the others that are slow (BART's tied embedding and output layer gets a thousand times the median layer's
-    gradient in a run whose loss falls well). A gradient that explodes shows as a norm that keeps growing, a giant
-    step or an overflow, which ``Moments``, :func:`giant_steps` and ``nonfinite`` name.
+    gradient in a run whose loss falls well). A gradient that explodes shows as a norm that keeps growing, a giant step
+    or an overflow, which ``Moments``, :func:`giant_steps` and ``nonfinite`` name.
     """
     means = mean_gradients(snap, skip)
     if len(means) < 3:
@@ -163,6 +165,11 @@ def gradient_spread(
         and not converged
         and mean < (eps := snap.eps.get(name, 0.0)) * STARVED
     }
+    learnt = False  # whether a layer before it gets a gradient its optimizer can normalise: the signal reached it
+    for name in means:  # in model order
+        if learnt:
+            starved.pop(name, None)  # small where it is (an attention's queries and keys), not lost on the way
+        learnt = learnt or (name not in starved and name not in snap.embeddings)
 
     position = {name: i for i, name in enumerate(snap.order)}
     reached, learnt = {}, False  # per layer, whether one before it gets a gradient near the median's
