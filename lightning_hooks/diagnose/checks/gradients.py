@@ -14,6 +14,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Thresholds,
     listed,
     peer_medians,
+    reached,
 )
 
 __all__ = [
@@ -165,23 +166,19 @@ def gradient_spread(
         and not converged
         and mean < (eps := snap.eps.get(name, 0.0)) * STARVED
     }
-    learnt = False  # whether a layer before it gets a gradient its optimizer can normalise: the signal reached it
-    for name in means:  # in model order
-        if learnt:
-            starved.pop(name, None)  # small where it is (an attention's queries and keys), not lost on the way
-        learnt = learnt or (name not in starved and name not in snap.embeddings)
+    # one starved after a layer whose gradient its optimizer can normalise is small where it is (an attention's
+    # queries and keys), not lost on the way
+    past = reached(snap, means, lambda name: name not in starved)
+    starved = {name: eps for name, eps in starved.items() if not past[name]}
 
     position = {name: i for i, name in enumerate(snap.order)}
-    reached, learnt = {}, False  # per layer, whether one before it gets a gradient near the median's
-    for name in means:  # in model order
-        reached[name] = learnt
-        learnt = learnt or (means[name] > median / spread and name not in snap.embeddings)
+    near_median = reached(snap, means, lambda name: means[name] > median / spread)  # one before it is
 
     def vanishing(name: str) -> bool:
         by_ratio = name in ratio_peers and ratios[name] <= ratio_peers[name] / spread
         if name in snap.adaptive:
             return by_ratio or name in starved
-        return means[name] <= median / spread and (by_ratio or name not in ratio_peers) and not reached[name]
+        return means[name] <= median / spread and (by_ratio or name not in ratio_peers) and not near_median[name]
 
     found = []
     for name in sorted((n for n in means if vanishing(n) and n not in starved), key=position.__getitem__):

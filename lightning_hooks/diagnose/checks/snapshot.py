@@ -7,7 +7,7 @@ import functools
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_hooks.core.select import label
@@ -22,6 +22,7 @@ __all__ = [
     "role",
     "peer_medians",
     "listed",
+    "reached",
     "CONVERGED",
 ]
 
@@ -142,6 +143,16 @@ def listed(layers: Sequence[str]) -> str:
     """The first :data:`SHOWN_LAYERS` of ``layers``, labelled, each in backticks, and how many others ("and 2 more")."""
     more = len(layers) - SHOWN_LAYERS
     return ", ".join(f"`{label(name)}`" for name in layers[:SHOWN_LAYERS]) + (f" and {more} more" if more > 0 else "")
+
+
+def reached(snap: Snapshot, layers: Iterable[str], learns: Callable[[str], bool]) -> dict[str, bool]:
+    """Per layer of ``layers`` (in model order), whether one before it ``learns``, embedding tables aside (a batch
+    reaches few of their rows): a gradient that got that far back was not lost on its way to the layer."""
+    found, learnt = {}, False
+    for name in layers:
+        found[name] = learnt
+        learnt = learnt or (name not in snap.embeddings and learns(name))
+    return found
 
 
 CONVERGED = 1e3

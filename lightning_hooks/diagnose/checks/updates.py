@@ -15,6 +15,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Thresholds,
     listed,
     peer_medians,
+    reached,
 )
 
 __all__ = [
@@ -90,10 +91,7 @@ def update_ratio(
     everywhere = overall < limits.update_ratio_low
     position = {name: i for i, name in enumerate(snap.order)}
     squashed = max((position[n] for n in explained if n in position), default=-1)  # the last one explained
-    reached, learnt = {}, False  # per layer, whether one that runs before it learns (not an embedding: few rows do)
-    for name, ratio in judged.items():
-        reached[name] = learnt
-        learnt = learnt or (ratio >= limits.update_ratio_low and name not in snap.embeddings)
+    learns_before = reached(snap, judged, lambda name: judged[name] >= limits.update_ratio_low)
     for name, ratio in judged.items():
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
             continue
@@ -115,7 +113,7 @@ def update_ratio(
                 crawling.append(name)
             continue
         elif below and name not in scheduled and not converged and position[name] > squashed:
-            if not (slower or name in snap.adaptive or name in snap.embeddings) and reached[name]:
+            if not (slower or name in snap.adaptive or name in snap.embeddings) and learns_before[name]:
                 continue  # under SGD, alone, but the gradient reached a layer before it that learns: not lost
             threshold = limits.update_ratio_low
             if slower:
