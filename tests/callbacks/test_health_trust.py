@@ -605,6 +605,46 @@ def test_a_learning_rate_too_low_from_the_start_is_still_named(tmp_path: Path) -
     assert "the learning rate is too low for the model; raise it" in found[0].message
 
 
+class EpochWarmup(Fit):
+    """AdamW under a ``LambdaLR`` warm-up from 0 over 50 scheduler steps, returned without an interval: Lightning steps
+    it once per epoch. ``frozen``: no scheduler, the first layer in a group of its own at learning rate 0."""
+
+    def __init__(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, frozen: bool = False) -> None:
+        super().__init__(net, x, y, lambda model, x, y: F.cross_entropy(model(x), y))
+        self.frozen = frozen
+
+    def configure_optimizers(self) -> Any:
+        if self.frozen:
+            first, rest = list(self.net[0].parameters()), list(self.net[1:].parameters())
+            return torch.optim.AdamW([{"params": first, "lr": 0.0}, {"params": rest}], lr=1e-3)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, warm_up)}
+
+
+def warm_up(epoch: int) -> float:
+    return min(epoch / 50, 1.0)
+
+
+def test_a_warm_up_from_zero_stepped_once_per_epoch_is_named_as_a_learning_rate_of_zero(tmp_path: Path) -> None:
+    # Lightning steps a scheduler returned without `"interval": "step"` once per epoch: a warm-up from 0 holds the rate
+    # at 0 through the first epoch (here 256 steps). Before, each layer was told its group's rate, 0, was "a tenth or
+    # less of its peers' (0); raise it".
+    pl.seed_everything(0, verbose=False)
+    classes = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    found = fit(tmp_path, EpochWarmup(classes.net, classes.x, classes.y), steps=30)
+    assert [(f.check, f.layers[0], f.step) for f in found] == [("update_ratio", "net.0", 10)]
+    assert found[0].message.startswith("the learning rate is 0 in every parameter group")
+    assert '"interval": "step"' in found[0].message
+
+
+def test_a_parameter_group_held_at_a_learning_rate_of_zero_beside_one_that_learns_is_not_named(tmp_path: Path) -> None:
+    # A rate of exactly 0 for one group is a freeze written on purpose. Before, it was told its rate was a tenth or
+    # less of its peers' and to raise it.
+    pl.seed_everything(0, verbose=False)
+    classes = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    assert fit(tmp_path, EpochWarmup(classes.net, classes.x, classes.y, frozen=True), steps=30) == []
+
+
 @pytest.mark.parametrize("lr", [5e-7, 2e-7])
 def test_a_constant_learning_rate_that_only_the_norm_gains_find_low_is_not_named(tmp_path: Path, lr: float) -> None:
     # DPO's recipe holds AdamW at 5e-7: a LayerNorm's weights (about 1) then move by about 5e-7 of their norm a step,

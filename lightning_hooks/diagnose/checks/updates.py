@@ -68,7 +68,8 @@ def update_ratio(
     learning rate would not bring it back. But a scheduled layer in ``faded`` (its learning rate, as a share of its
     peak, fell below :data:`FADED` with half the fit to go) is judged below the range: those below it make one finding,
     named after the schedule. Layers below the range with the median layer make one finding too: the learning rate is
-    too low for the whole model.
+    too low for the whole model; when it is exactly 0 in every group (a warm-up from 0 stepped once per epoch), it says
+    so. A group at exactly 0 beside groups that learn is frozen on purpose, and not judged.
     """
     faded = faded or {}
     if snap.step == 0:
@@ -83,6 +84,15 @@ def update_ratio(
         and not (name in snap.adaptive and snap.step < SETTLED)
     }
     lrs = {name: lr for name, lr in snap.lrs.items() if name in judged and math.isfinite(lr)}
+    if judged and all(lrs.get(name) == 0 for name in judged) and not (converged or scheduled.intersection(judged)):
+        said = (
+            "the learning rate is 0 in every parameter group: no weight changes. A warmup scheduler that starts at 0 "
+            'and is stepped once per epoch (Lightning\'s default, `"interval": "epoch"`) stays at 0 for the whole '
+            'first epoch; return `{"scheduler": ..., "interval": "step"}` from `configure_optimizers`, or start the '
+            "warmup above 0."
+        )
+        layers = tuple(label(name) for name in list(judged)[:SHOWN_LAYERS])
+        return [Evidence("update_ratio", layers, 0.0, limits.update_ratio_low, said)]
     lr_peers = peer_medians(lrs) if lrs else {}
     found = []
     stalled: list[str] = []  # below the range, their learning rate faded
@@ -96,7 +106,10 @@ def update_ratio(
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
             continue
         faster = lrs.get(name, 0.0) >= PEER_GAP * lr_peers.get(name, math.inf)  # its group's learning rate
-        slower = lrs.get(name, math.inf) * PEER_GAP <= lr_peers.get(name, 0.0)
+        peers = lr_peers.get(name, 0.0)
+        slower = peers > 0 and lrs.get(name, math.inf) * PEER_GAP <= peers
+        if lrs.get(name) == 0 and slower:
+            continue  # a group's learning rate set to 0 while its peers learn: frozen on purpose
         alone = name in snap.adaptive and not (everywhere or slower)  # see above
         below = ratio < limits.update_ratio_low and not alone
         if ratio > limits.update_ratio_high and faster:
