@@ -320,6 +320,39 @@ def test_unstandardised_inputs_or_targets_are_named_at_step_0(
     assert "standardise" in scale[0].message
 
 
+class Returns(Fit):
+    """An MLP regressing a noisy non-linear target times ``scale`` (daily returns are about 0.01) under Adam at 1e-3;
+    its losses, divided by the targets' variance, are kept."""
+
+    def __init__(self, scale: float) -> None:
+        x = seeded(4000, 16)
+        y = (torch.tanh(x[:, :4] @ seeded(4, 1)) + 0.3 * seeded(4000, 1).roll(1, 0)) * scale
+        net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        super().__init__(net, x, y, self.relative)
+        self.losses: list[float] = []
+
+    def relative(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(net(x), y)
+        self.losses.append(loss.item() / self.y.var().item())
+        return loss
+
+
+def test_targets_far_below_unit_scale_are_named_with_what_they_cost(tmp_path: Path) -> None:
+    # Targets of RMS 0.005: Adam's steps do not depend on the loss's scale, but the model's first outputs are some
+    # tenfold larger than the targets, and 200 steps later it predicts worse than their mean would; the same targets
+    # standardised are learnt. Before, the message said small targets make "huge activations, losses and gradients".
+    pl.seed_everything(0, verbose=False)
+    small = Returns(0.005)
+    [found] = fit(tmp_path / "small", small, steps=200)
+    assert (found.check, found.layers, found.step) == ("input_scale", ("net.4",), 0)
+    assert "far larger than such targets" in found.message
+    assert "huge" not in found.message
+    pl.seed_everything(0, verbose=False)
+    unit = Returns(1.0)
+    assert fit(tmp_path / "unit", unit, steps=200) == []
+    assert sum(small.losses[-20:]) / 20 > 1.0 > 2 * sum(unit.losses[-20:]) / 20
+
+
 def test_sigmoid_units_driven_into_saturation_are_named(tmp_path: Path) -> None:
     pl.seed_everything(0, verbose=False)
     net = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.Linear(16, 3))

@@ -61,11 +61,20 @@ def input_scale(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
             continue
         layers = [taker] if taker is not None else snap.executed[-1:] if target else snap.executed[:1]
         what = "targets" if target else "inputs"
+        if side > 0:
+            effect = f"unscaled {what} make huge activations, losses and gradients from the first step"
+        elif target:
+            effect = (
+                "a freshly initialised model's outputs are far larger than such targets, and it spends its first "
+                "steps shrinking them; scale its predictions back afterwards"
+            )
+        else:
+            effect = "the first layer's output is then mostly its bias, and its weights' gradients are as small"
         said = (
             f"the batch's {what} (`{path}`) have an RMS of {rms:.3g} (over their non-zero values), "
             f"{abs(math.log10(rms)):.0f} orders of magnitude "
             f"from unit scale: standardise them (subtract the training set's mean, divide by its standard "
-            f"deviation); unscaled {what} make huge activations, losses and gradients from the first step."
+            f"deviation); {effect}."
         )
         found.append(Evidence("input_scale", tuple(label(n) for n in layers) or ("root",), rms, INPUT_SCALE, said))
     return found
