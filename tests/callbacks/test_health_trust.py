@@ -1308,19 +1308,23 @@ def test_a_layer_whose_weights_are_far_too_large_is_named_once_for_its_growth(tm
 
 
 class ManualFit(Fit):
-    """A classifier under manual optimization whose ``training_step`` calls ``optimizer.step()`` or, the bug, not."""
+    """A classifier under manual optimization whose ``training_step`` calls ``optimizer.step()`` or, the bug, not;
+    ``cleared``, the other bug: ``optimizer.zero_grad()`` between the backward and the step."""
 
-    def __init__(self, steps: bool) -> None:
+    def __init__(self, steps: bool, cleared: bool = False) -> None:
         x = seeded(128, 8)
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         super().__init__(net, x, (x[:, 0] > 0).long(), lambda m, x, y: F.cross_entropy(m(x), y))
-        self.automatic_optimization, self.steps = False, steps
+        self.automatic_optimization, self.steps, self.cleared = False, steps, cleared
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         loss = self.loss(self.net, *batch)
-        optimizer.zero_grad()
+        if not self.cleared:
+            optimizer.zero_grad()
         self.manual_backward(loss)
+        if self.cleared:
+            optimizer.zero_grad()
         if self.steps:
             optimizer.step()
         return loss
@@ -1337,6 +1341,15 @@ def test_manual_optimization_that_never_steps_the_optimizer_is_named(tmp_path: P
     else:
         assert [(f.check, f.layers, f.step) for f in found] == [("no_learning", ("root",), 0)]
         assert "call `optimizer.step()` after `self.manual_backward(loss)`" in found[0].message
+
+
+def test_gradients_cleared_between_the_manual_backward_and_the_step_are_named_with_that_cause(tmp_path: Path) -> None:
+    # Before, the message listed a softmax over one unit, a detached tensor or a loss not depending on the output,
+    # none of which a manual loop that calls zero_grad() in the wrong place has.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, ManualFit(steps=True, cleared=True), steps=20)
+    assert [(f.check, f.layers, f.step) for f in found] == [("no_learning", ("net.2",), 0)]
+    assert "look first for `optimizer.zero_grad()` called between `self.manual_backward(loss)`" in found[0].message
 
 
 class Excite(nn.Module):

@@ -53,8 +53,14 @@ def no_learning(snap: Snapshot, limits: Thresholds, zero_from_start: bool = Fals
             f"output with itself, or a mask that leaves out every element."
         )
         return [Evidence("no_learning", layers, 0.0, 0.0, said, step=0)]
+    look = (
+        "look for"
+        if snap.automatic
+        else "under manual optimization, look first for `optimizer.zero_grad()` called between "
+        "`self.manual_backward(loss)` and `optimizer.step()` (it clears the gradients the step needs); then for"
+    )
     said = (
-        f"every parameter gradient is exactly zero or missing at step {snap.step}: nothing learns; look for an "
+        f"every parameter gradient is exactly zero or missing at step {snap.step}: nothing learns; {look} an "
         f"activation over one unit (a softmax over a single output is always 1), a detached tensor (`.detach()`, "
         f"`.item()`, `torch.no_grad()` inside forward) or a loss that does not depend on the model's output."
     )
