@@ -211,13 +211,13 @@ class HealthTracker:
             immediate += [carried(snap.carried, snap.step)] if snap.carried else []
             immediate += self._moments.growth(snap, left_out)
             immediate += giant_steps(snap, skip) if not unseen else []
-        explained = squashed + (vanishing_layers(snap, self.limits, starved) if "vanishing_gradients" in on else [])
+        fading = vanishing_layers(snap, self.limits, starved) if "vanishing_gradients" in on else []
         if "update_ratio" in on and judged and not decayed:
             clipped = [e for e in clipped_away(snap, self.limits, skip) if e.check in on]
             persistent += (
                 rounded_away(snap, skip)
                 or clipped
-                or update_ratio(snap, self.limits, starved, scheduled, converged, self._faded(snap), explained)
+                or update_ratio(snap, self.limits, starved, scheduled, converged, self._faded(snap), squashed, fading)
             )
         if "update_ratio" in on:
             immediate += unoptimized(snap, self.limits)

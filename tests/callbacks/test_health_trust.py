@@ -306,6 +306,26 @@ def test_a_gradient_fading_layer_by_layer_in_a_deep_relu_mlp_is_vanishing_at_its
     assert "shrinking layer by layer toward the input" in found[0].message
 
 
+def test_a_deep_plain_cnn_whose_gradient_fades_is_one_vanishing_finding_not_also_a_learning_rate_too_low(
+    tmp_path: Path,
+) -> None:
+    # Twenty 3x3 convolutions with no normalization and no shortcut, PyTorch's default initialisation, digits, SGD at
+    # 0.01: the gradient fades smoothly toward the input and the loss stays at ln 10. The layers `vanishing_gradients`
+    # names move back and forth by a layer or two between logging steps; before, the one or two just past them, still
+    # below the range, were also told "the learning rate is too low for the model; raise it" (steps 145 and 160).
+    from sklearn.datasets import load_digits
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x, y = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16, torch.tensor(digits.target)
+    convs = [nn.Conv2d(1, 16, 3, padding=1)] + [nn.Conv2d(16, 16, 3, padding=1) for _ in range(19)]
+    net = nn.Sequential(*[layer for conv in convs for layer in (conv, nn.ReLU())], nn.Flatten(), nn.Linear(1024, 10))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.01)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
+    found = fit(tmp_path, model, steps=200)
+    assert [(f.check, f.layers[0], f.step) for f in found] == [("vanishing_gradients", "net.0", 0)]
+
+
 @pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])
 def test_unstandardised_inputs_or_targets_are_named_at_step_0(
     tmp_path: Path, x_scale: float, y_scale: float, layer: str

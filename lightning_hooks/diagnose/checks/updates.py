@@ -43,6 +43,7 @@ def update_ratio(
     converged: bool = False,
     faded: dict[str, float] | None = None,
     explained: Sequence[str] = (),
+    fading: Sequence[str] = (),
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when their
     parameter group's learning rate is :data:`PEER_GAP` times the peers' (see :func:`peer_medians`): a large step alone
@@ -63,9 +64,10 @@ def update_ratio(
     gradient fell :data:`CONVERGED`-fold): a model that fits its data takes small steps, an L-BFGS that met its
     tolerance none; nor a layer whose gradient is exactly zero: no gradient reaches it (the units after it are dead,
     which ``dead_units`` names), and a higher learning rate would change nothing; nor a layer that runs before one of
-    the layers ``explained`` (those ``saturation`` names, and those ``vanishing_gradients`` names for a gradient that
-    fades along the depth): the gradient reaching it passes through saturated units or fades on its way, and a higher
-    learning rate would not bring it back. But a scheduled layer in ``faded`` (its learning rate, as a share of its
+    the layers ``explained`` (those ``saturation`` names) or ``fading`` (those ``vanishing_gradients`` names for a
+    gradient that fades along the depth, and the layers right after them still below the range, further along the
+    same fade): the gradient reaching it passes through saturated units or fades on its way, and a higher learning
+    rate would not bring it back. But a scheduled layer in ``faded`` (its learning rate, as a share of its
     peak, fell below :data:`FADED` with half the fit to go) is judged below the range: those below it make one finding,
     named after the schedule. Layers below the range with the median layer make one finding too: the learning rate is
     too low for the whole model; when it is exactly 0 in every group (a warm-up from 0 stepped once per epoch), it says
@@ -100,7 +102,13 @@ def update_ratio(
     overall = statistics.median(judged.values()) if judged else math.inf
     everywhere = overall < limits.update_ratio_low
     position = {name: i for i, name in enumerate(snap.order)}
-    squashed = max((position[n] for n in explained if n in position), default=-1)  # the last one explained
+    faded_to = max((position[n] for n in fading if n in position), default=-1)
+    squashed = max([faded_to, *(position[n] for n in explained if n in position)])  # the last one explained
+    for name in snap.order[faded_to + 1 :] if faded_to >= 0 else ():  # further along the same fade
+        if name in judged:
+            if judged[name] >= limits.update_ratio_low:
+                break
+            squashed = max(squashed, position[name])
     learns_before = reached(snap, judged, lambda name: judged[name] >= limits.update_ratio_low)
     for name, ratio in judged.items():
         if ratio < limits.update_ratio_low and (grad := snap.grads.get(name)) is not None and grad.abs_sum == 0:
