@@ -199,7 +199,8 @@ class HealthTracker:
         # for its steps to move: `dead_units` and `activation_growth` name why. Those behind a scale that started at
         # zero get its small gradient by design.
         large = {e.layers[0] for e in grown}
-        starved = skip | self._scaled_down | fed_by(snap, {e.layers[0] for e in dead})
+        silenced = {e.layers[0] for e in dead if e.value >= 1.0}  # every unit dead
+        starved = skip | self._scaled_down | fed_by(snap, {e.layers[0] for e in dead}, silenced)
         starved |= {n for n in snap.order if label(n) in large}
         learnt = self._learnt(snap, settling, learning)
         squashed = saturated_layers(snap, learnt) if "saturation" in on else []

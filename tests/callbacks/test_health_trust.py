@@ -326,6 +326,29 @@ def test_a_deep_plain_cnn_whose_gradient_fades_is_one_vanishing_finding_not_also
     assert [(f.check, f.layers[0], f.step) for f in found] == [("vanishing_gradients", "net.0", 0)]
 
 
+def summed_over_batch() -> Fit:
+    """Digits under SGD at 0.1 with a cross-entropy summed over batches of 256 (``reduction="sum"``): each step is 256
+    times the one a mean would take; the first ones blow the loss up a billion-fold and kill the first ReLU."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), sgd=True, lr=0.1)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=256, shuffle=True)  # type: ignore[method-assign]
+    return model
+
+
+def test_the_layers_after_one_whose_every_unit_died_are_not_told_to_raise_the_learning_rate(tmp_path: Path) -> None:
+    # Every unit of `net.1` is dead from step 10 on: all the layers after it take a constant. Before, `net.4` was then
+    # told "the learning rate is too low for the model; raise it" (step 120), the opposite of the cause.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, summed_over_batch(), steps=200)
+    assert ("dead_units", ("net.1",)) in [(f.check, f.layers) for f in found]
+    assert "128 of 128 output units" in next(f.message for f in found if f.check == "dead_units")
+    assert not [f for f in found if f.check == "update_ratio"], found
+
+
 @pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])
 def test_unstandardised_inputs_or_targets_are_named_at_step_0(
     tmp_path: Path, x_scale: float, y_scale: float, layer: str

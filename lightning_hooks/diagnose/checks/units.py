@@ -130,17 +130,19 @@ def dead_units(snap: Snapshot, limits: Thresholds, silent: dict[str, list[bool]]
     return found
 
 
-def fed_by(snap: Snapshot, layers: Collection[str]) -> frozenset[str]:
+def fed_by(snap: Snapshot, layers: Collection[str], silenced: Collection[str] = ()) -> frozenset[str]:
     """The layers with weights that run right after one of ``layers`` (labels of dead units), up to the next layer
     without weights: they take those units' zeros, so their weights get no gradient and do not move whatever the
-    learning rate (the convolution after a dead ReLU, and the batch norm after it), which ``dead_units`` explains."""
+    learning rate (the convolution after a dead ReLU, and the batch norm after it), which ``dead_units`` explains.
+    After one of ``silenced`` (every unit dead), every layer with weights: what reaches them from it is a constant."""
     fed: set[str] = set()
-    feeding = False
+    feeding = cut = False
     for name in snap.order:
+        cut = cut or label(name) in silenced
         if label(name) in layers:
             feeding = True
         elif name in snap.leaves_with_params:
-            if feeding:
+            if feeding or cut:
                 fed.add(name)
         else:
             feeding = False
