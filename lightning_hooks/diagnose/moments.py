@@ -48,6 +48,8 @@ class Moments:
         self._kept = 0  # losses kept so far: the level below was taken when there were as many
         self._level_at: tuple[int, tuple[float, float]] | None = None
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
+        self._start: tuple[float, dict[str, float]] | None = None  # the first step's loss and layers' gradient norms
+        self._diverged = False
 
     def growth(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
         """The total gradient norm (per layer, its median since the last logging step) rising ``norm_growth``-fold
@@ -76,7 +78,35 @@ class Moments:
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
             found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip)
+            found += self._diverging(snap, level, steps[0] if steps else level)
         return found[:1]
+
+    def _diverging(self, snap: Snapshot, level: dict[str, float], earliest: dict[str, float]) -> list[Evidence]:
+        """The loss and the total gradient norm (``level``: per layer, its median since the last logging step) both
+        ``norm_growth``-fold above the fit's first step's, or more (``earliest``: the first step's norms, at the first
+        call): the training diverged, for good rather than for a step (a spike). Said once."""
+        losses = [loss for _, loss in snap.losses if math.isfinite(loss)]
+        if self._start is None and losses:
+            self._start = (losses[0], earliest)
+            return []
+        if self._start is None or self._diverged or not losses:
+            return []
+        (loss0, norms0), loss = self._start, statistics.median(losses)
+        growth, norm0 = math.hypot(*level.values()), math.hypot(*norms0.values())
+        growth = growth / norm0 if norm0 > 0 else 0.0
+        if not (loss0 > 0 and loss >= self.limits.norm_growth * loss0 and growth >= self.limits.norm_growth):
+            return []
+        self._diverged = True
+        grew = sorted(level, key=lambda n: -_ratio(level[n], norms0.get(n, 0.0)))[:SHOWN_LAYERS]
+        said = (
+            f"the loss rose from {loss0:.3g} at the first step to {loss:.3g} at step {snap.step} (the median since the "
+            f"last logging step) and the total gradient norm {growth:.3g}-fold, most in {listed(grew)}: the training "
+            f'diverged; lower the learning rate (a loss summed over the batch, `reduction="sum"`, makes each step as '
+            f"many times larger as the batch has samples), or clip gradients (`gradient_clip_val`)."
+        )
+        return [
+            Evidence("exploding_gradients", tuple(label(n) for n in grew), loss / loss0, self.limits.norm_growth, said)
+        ]
 
     def _grew(
         self,

@@ -339,14 +339,20 @@ def summed_over_batch() -> Fit:
     return model
 
 
-def test_the_layers_after_one_whose_every_unit_died_are_not_told_to_raise_the_learning_rate(tmp_path: Path) -> None:
-    # Every unit of `net.1` is dead from step 10 on: all the layers after it take a constant. Before, `net.4` was then
-    # told "the learning rate is too low for the model; raise it" (step 120), the opposite of the cause.
+def test_a_loss_summed_over_the_batch_that_diverges_is_named_then_its_dead_layer_and_no_learning_rate_too_low(
+    tmp_path: Path,
+) -> None:
+    # The loss rises from 590 to some 1e7 by step 5, the gradient norm some 1e4-fold: no single spike (every step is
+    # higher), no overflow, no steady rise over logging steps. Before, the divergence itself was not named. Then every
+    # unit of `net.1` is dead: all the layers after it take a constant, and before, `net.4` was told "the learning rate
+    # is too low for the model; raise it" (step 120), the opposite of the cause.
     pl.seed_everything(0, verbose=False)
     found = fit(tmp_path, summed_over_batch(), steps=200)
-    assert ("dead_units", ("net.1",)) in [(f.check, f.layers) for f in found]
-    assert "128 of 128 output units" in next(f.message for f in found if f.check == "dead_units")
-    assert not [f for f in found if f.check == "update_ratio"], found
+    assert [(f.check, f.step) for f in found] == [("exploding_gradients", 5), ("dead_units", 10)]
+    assert "the training diverged" in found[0].message
+    assert 'reduction="sum"' in found[0].message
+    assert found[1].layers == ("net.1",)
+    assert "128 of 128 output units" in found[1].message
 
 
 @pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])
