@@ -37,6 +37,7 @@ from lightning_hooks.diagnose.checks import (
     no_learning,
     nonfinite,
     one_class,
+    oversized_start,
     rounded_away,
     saturated_layers,
     saturation,
@@ -195,6 +196,8 @@ class HealthTracker:
         persistent += decayed
         grown = self._activation_growth(snap, settling, learning) if "activation_growth" in on else []
         grown = [] if decayed else grown  # beside the layers the decay shrank, any output looks huge
+        if "activation_growth" in on and self._previous_step < 0 and not grown:  # a layer's own leap names itself
+            immediate += oversized_start(snap)
         # The layers dead units feed learn nothing, and a layer whose output grew a thousand-fold has weights too large
         # for its steps to move: `dead_units` and `activation_growth` name why. Those behind a scale that started at
         # zero get its small gradient by design.

@@ -125,6 +125,22 @@ def mlp(*layers: nn.Module) -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), *layers)
 
 
+def on_digits(net: nn.Module, loss: Loss, batch_size: int = 32, images: bool = False, **fit: Any) -> Fit:
+    """``net`` trained on scikit-learn's digits (8x8 images when ``images``, else rows of 64) by ``loss``."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) if images else torch.tensor(digits.data)
+    x, y = x.float() / 16, torch.tensor(digits.target)
+    model = Fit(net, x, y, loss, **fit)
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)  # type: ignore[method-assign]
+    return model
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
 @pytest.mark.parametrize("build", [convnext, albert, wav2vec2], ids=["convnext", "albert", "wav2vec2"])
 def test_healthy_transformers_models_under_adamw_make_no_finding(tmp_path: Path, build: Callable[[], Fit]) -> None:
     pl.seed_everything(0, verbose=False)
@@ -313,30 +329,22 @@ def test_a_deep_plain_cnn_whose_gradient_fades_is_one_vanishing_finding_not_also
     # 0.01: the gradient fades smoothly toward the input and the loss stays at ln 10. The layers `vanishing_gradients`
     # names move back and forth by a layer or two between logging steps; before, the one or two just past them, still
     # below the range, were also told "the learning rate is too low for the model; raise it" (steps 145 and 160).
-    from sklearn.datasets import load_digits
-
     pl.seed_everything(0, verbose=False)
-    digits = load_digits()
-    x, y = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16, torch.tensor(digits.target)
     convs = [nn.Conv2d(1, 16, 3, padding=1)] + [nn.Conv2d(16, 16, 3, padding=1) for _ in range(19)]
     net = nn.Sequential(*[layer for conv in convs for layer in (conv, nn.ReLU())], nn.Flatten(), nn.Linear(1024, 10))
-    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y), sgd=True, lr=0.01)
-    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)  # type: ignore[method-assign]
-    found = fit(tmp_path, model, steps=200)
+    found = fit(tmp_path, on_digits(net, cross_entropy, images=True, sgd=True, lr=0.01), steps=200)
     assert [(f.check, f.layers[0], f.step) for f in found] == [("vanishing_gradients", "net.0", 0)]
 
 
 def summed_over_batch() -> Fit:
     """Digits under SGD at 0.1 with a cross-entropy summed over batches of 256 (``reduction="sum"``): each step is 256
     times the one a mean would take; the first ones blow the loss up a billion-fold and kill the first ReLU."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), sgd=True, lr=0.1)
-    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=256, shuffle=True)  # type: ignore[method-assign]
-    return model
+    return on_digits(net, summed_cross_entropy, batch_size=256, sgd=True, lr=0.1)
+
+
+def summed_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def test_a_loss_summed_over_the_batch_that_diverges_is_named_then_its_dead_layer_and_no_learning_rate_too_low(
@@ -353,6 +361,37 @@ def test_a_loss_summed_over_the_batch_that_diverges_is_named_then_its_dead_layer
     assert 'reduction="sum"' in found[0].message
     assert found[1].layers == ("net.1",)
     assert "128 of 128 output units" in found[1].message
+
+
+class Dense(nn.Module):
+    """A layer written by hand as tutorials do: ``x @ W + b`` with ``W = torch.randn(fan_in, fan_out)``, times
+    ``fan_in ** -0.5`` when ``scaled`` (the fix)."""
+
+    def __init__(self, fan_in: int, fan_out: int, scaled: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(fan_in, fan_out) * (fan_in**-0.5 if scaled else 1.0))
+        self.bias = nn.Parameter(torch.zeros(fan_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["torch.randn", "scaled by fan_in ** -0.5"])
+def test_weights_drawn_with_torch_randn_are_named_at_step_0_at_the_first_layer_past_unit_scale(
+    tmp_path: Path, scaled: bool
+) -> None:
+    # Digits through three hand-written layers of 512: unscaled, the logits start with an RMS of about 1e3 (the loss
+    # about 1e3 where a uniform guess gives ln 10). Before, nothing was named: each layer grows the scale some 10 to
+    # 20 times, under activation_growth's thousandfold line.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(Dense(64, 512, scaled), nn.ReLU(), Dense(512, 512, scaled), nn.ReLU(), Dense(512, 10, scaled))
+    found = fit(tmp_path, on_digits(net, cross_entropy, batch_size=8), steps=20)
+    if scaled:
+        assert found == []
+        return
+    assert [(f.check, f.layers, f.step) for f in found] == [("activation_growth", ("net.2", "net.4"), 0)]
+    assert "the weights start far too large" in found[0].message
+    assert "`fan_in ** -0.5`" in found[0].message
 
 
 @pytest.mark.parametrize(("x_scale", "y_scale", "layer"), [(1e3, 1.0, "net.0"), (1.0, 1e4, "net.2")])

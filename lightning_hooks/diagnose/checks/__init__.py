@@ -12,7 +12,13 @@ from lightning_hooks.diagnose.checks.gradients import (
     scaled_down,
     vanishing_layers,
 )
-from lightning_hooks.diagnose.checks.inputs import absent_inputs, input_scale, one_class, sorted_batches
+from lightning_hooks.diagnose.checks.inputs import (
+    absent_inputs,
+    input_scale,
+    one_class,
+    oversized_start,
+    sorted_batches,
+)
 from lightning_hooks.diagnose.checks.nonfinite import nonfinite
 from lightning_hooks.diagnose.checks.snapshot import (
     CONVERGED,
@@ -62,6 +68,7 @@ __all__ = [
     "no_learning",
     "nonfinite",
     "one_class",
+    "oversized_start",
     "rounded_away",
     "saturated_layers",
     "saturation",

@@ -1,4 +1,5 @@
-"""Checks on the batch: inputs or targets far from unit scale, all zeros, or batches sorted by class."""
+"""Checks on the batch: inputs or targets far from unit scale, all zeros, or batches sorted by class; and a model whose
+output starts far from unit scale."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Thresholds,
 )
 
-__all__ = ["INPUT_SCALE", "ALIKE_SCALE", "MIN_LABELS", "input_scale", "absent_inputs", "one_class", "sorted_batches"]
+__all__ = [
+    "INPUT_SCALE",
+    "ALIKE_SCALE",
+    "START_SCALE",
+    "MIN_LABELS",
+    "input_scale",
+    "absent_inputs",
+    "oversized_start",
+    "one_class",
+    "sorted_batches",
+]
 
 INPUT_SCALE = 100.0
 """``input_scale`` names a batch tensor whose RMS (over its non-zero values) is this many times off unit scale."""
@@ -104,6 +115,43 @@ def absent_inputs(snap: Snapshot) -> list[Evidence]:
         )
         found.append(Evidence("input_scale", (label(taker),), 0.0, 0.0, said))
     return found
+
+
+START_SCALE = 100.0
+"""``oversized_start`` names a model whose output's RMS is this much or more at its first check (from PyTorch's default
+initialisation a digits MLP's logits start at about 0.06, GPT-2's and BERT's below 1)."""
+
+
+def oversized_start(snap: Snapshot) -> list[Evidence]:
+    """The model's output (that of the last layer with weights to run) with an RMS of :data:`START_SCALE` or more at
+    the first check, though the inputs its first layer takes are within :data:`ALIKE_SCALE` of unit scale (else
+    ``input_scale`` names them) and the batch's targets, where it has floating-point ones beside the inputs, are not
+    within :data:`ALIKE_SCALE` of the output (a regressor started at its targets' mean): weights drawn far too large,
+    as ``torch.randn`` gives them unless scaled by ``1 / sqrt(fan_in)``. The first steps are spent shrinking them.
+    Named after the first layer with weights whose output's RMS passes :data:`ALIKE_SCALE`, where the scale goes
+    wrong, and the output layer."""
+    rms = {
+        n: math.sqrt(max(s.sum_sq, 0.0) / s.numel) for n, s in snap.activations.items() if s.numel and not s.nonfinite
+    }
+    weighted = [n for n in snap.executed if n in snap.leaves_with_params and n in rms]
+    if not weighted or rms[output := weighted[-1]] < START_SCALE:
+        return []
+    if snap.entry is not None and snap.entry[1] >= ALIKE_SCALE:
+        return []
+    paths = list(snap.inputs)
+    if len(paths) > 1 and snap.inputs[paths[-1]] * ALIKE_SCALE > rms[output]:
+        return []
+    first = next(n for n in weighted if rms[n] >= ALIKE_SCALE)
+    layers = tuple(dict.fromkeys([label(first), label(output)]))
+    said = (
+        f"the model's output (`{label(output)}`) has an RMS of {rms[output]:.3g} at step {snap.step}, before it has "
+        f"learnt anything, and `{label(first)}` is the first layer whose output passes {ALIKE_SCALE:g}: the weights "
+        f"start far too large (from a sound initialisation a classifier's logits start below about 1), and the first "
+        f"steps go to shrinking them. Keep PyTorch's default initialisation, or use `nn.init.kaiming_normal_` (ReLU) "
+        f"or `xavier_normal_` (tanh); weights made with `torch.randn(fan_in, fan_out)` need scaling by "
+        f"`fan_in ** -0.5`."
+    )
+    return [Evidence("activation_growth", layers, rms[output], START_SCALE, said)]
 
 
 def _taker(snap: Snapshot, path: str, rms: float, entry: bool = True) -> tuple[str | None, float]:
