@@ -92,8 +92,8 @@ class Moments:
         if self._start is None or self._diverged or not losses:
             return []
         (loss0, norms0), loss = self._start, statistics.median(losses)
-        growth, norm0 = math.hypot(*level.values()), math.hypot(*norms0.values())
-        growth = growth / norm0 if norm0 > 0 else 0.0
+        norm0 = math.hypot(*norms0.values())
+        growth = math.hypot(*level.values()) / norm0 if norm0 > 0 else 0.0
         if not (loss0 > 0 and loss >= self.limits.norm_growth * loss0 and growth >= self.limits.norm_growth):
             return []
         self._diverged = True
