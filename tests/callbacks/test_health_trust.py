@@ -363,6 +363,30 @@ def test_a_loss_summed_over_the_batch_that_diverges_is_named_then_its_dead_layer
     assert "128 of 128 output units" in found[1].message
 
 
+def nll(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.nll_loss(model(x), y)
+
+
+@pytest.mark.parametrize("last", [nn.Softmax, nn.LogSoftmax], ids=["softmax (the bug)", "log-softmax"])
+def test_probabilities_given_to_nll_loss_are_named_at_the_softmax(tmp_path: Path, last: type[nn.Module]) -> None:
+    # `nll_loss` takes log-probabilities; given probabilities it minimises minus the target's probability: the loss is
+    # negative, and learning slows where the model is wrong. Before, nothing was named (a loss of a softmax's
+    # probabilities is left alone, as `Categorical(probs=...)` makes one).
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10), last(dim=1))
+    model = on_digits(net, nll)
+    found = fit(tmp_path, model, steps=100)
+    with torch.no_grad():
+        accuracy = (net(model.x).argmax(1) == model.y).float().mean().item()
+    if last is nn.LogSoftmax:
+        assert found == []
+        assert accuracy > 0.8  # 0.85 at step 100
+        return
+    assert [(f.check, f.layers, f.step) for f in found] == [("saturation", ("net.3",), 0)]
+    assert "`nll_loss` was given the probabilities" in found[0].message
+    assert accuracy < 0.7  # 0.60 at step 100: the same model learns slower
+
+
 class Dense(nn.Module):
     """A layer written by hand as tutorials do: ``x @ W + b`` with ``W = torch.randn(fan_in, fan_out)``, times
     ``fan_in ** -0.5`` when ``scaled`` (the fix)."""

@@ -225,8 +225,9 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
     of its own, so a softmax's gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's
     confidence; or whose gradient is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a
     sigmoid of its own. A loss of a softmax's probabilities themselves (``nll_loss`` of their log, a
-    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning). Also a ReLU
-    that gives the model's output and holds at zero outputs the loss pushes below it (:data:`CLAMPED`)."""
+    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning); but when that
+    loss is negative, in ``[-1, 0)`` at every step, it is ``nll_loss`` of the probabilities, not of their log. Also a
+    ReLU that gives the model's output and holds at zero outputs the loss pushes below it (:data:`CLAMPED`)."""
     found = []
     last = snap.executed[-1] if snap.executed else ""
     kind = snap.squashing.get(last, "")
@@ -248,6 +249,15 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
                 f"pushes against them; give the loss the unbounded logits (remove the {kind})."
             )
         found.append(Evidence("saturation", (label(last),), snap.row_sums[last], ROWS_SUM_TO_ZERO, said))
+    elif kind == "softmax" and snap.row_sums.get(last, 0.0) >= 1 - ROWS_SUM_TO_ZERO and _probabilities_lost(snap):
+        loss = max(loss for _, loss in snap.losses)
+        said = (
+            f"the model's output comes from the softmax `{label(last)}`, and the loss is negative (up to {loss:.3g}, "
+            f"never below -1), its gradient one value a row: `nll_loss` was given the probabilities where it takes "
+            f"their log, so it minimises minus the target's probability, whose gradient vanishes where the model is "
+            f"most wrong; end with `nn.LogSoftmax` instead (or give `cross_entropy` the logits)."
+        )
+        found.append(Evidence("saturation", (label(last),), loss, 0.0, said))
     elif (share := snap.clamped.get(last, 0.0)) >= CLAMPED:
         said = (
             f"the model's output comes from the ReLU `{label(last)}`, which holds it at zero where the loss asks for "
@@ -279,6 +289,12 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
         layers = tuple(label(n) for n in squashed[:SHOWN_LAYERS])
         found.append(Evidence("saturation", layers, share, SATURATED, said, group="saturated layers"))
     return found
+
+
+def _probabilities_lost(snap: Snapshot) -> bool:
+    """Whether every loss since the last logging step lies in ``[-1, 0)``: minus a probability, as ``nll_loss`` gives
+    of probabilities (of log-probabilities it is positive)."""
+    return bool(snap.losses) and all(-1.0 <= loss < 0.0 for _, loss in snap.losses)
 
 
 def saturated_layers(snap: Snapshot, learnt: frozenset[str] = frozenset()) -> list[str]:
