@@ -50,7 +50,7 @@ from lightning_hooks.diagnose.checks import (
     zero_loss,
 )
 from lightning_hooks.diagnose.moments import RISE_MAX, Moments
-from lightning_hooks.stats.state import State
+from lightning_hooks.stats.state import rms as state_rms
 
 __all__ = [
     "CHECKS",
@@ -123,6 +123,7 @@ class HealthTracker:
 
     Example::
 
+        >>> from lightning_hooks.stats.state import State
         >>> tracker = HealthTracker(["dead_units"], Thresholds(patience=1))
         >>> snap = Snapshot(step=5, order=["relu"], activations={"relu": State(numel=64)}, units={"relu": [0.0] * 4})
         >>> [(f.check, f.layers, f.step, f.value) for f in tracker.update(snap)]
@@ -408,7 +409,7 @@ class HealthTracker:
             state = snap.activations.get(name)
             if state is None or not state.numel or state.nonfinite:
                 continue
-            rms = _rms(state)
+            rms = state_rms(state)
             if settling:
                 self._reference.setdefault(name, (rms, snap.step))
             first, since = self._reference.get(name, (0.0, snap.step))
@@ -432,10 +433,6 @@ class HealthTracker:
 def _key(e: Evidence) -> tuple[str, tuple[str, ...]]:
     """The finding ``e`` makes or extends: its check's over its layers, or over its group's."""
     return (e.check, e.layers if e.group is None else (e.group,))
-
-
-def _rms(state: State) -> float:
-    return math.sqrt(max(state.sum_sq, 0.0) / state.numel) if state.numel else math.nan
 
 
 def _both(a: list[bool], b: list[bool]) -> list[bool]:

@@ -27,6 +27,7 @@ __all__ = [
     "raw_rows",
     "raw_states",
     "real_view",
+    "rms",
     "state",
     "state_row",
 ]
@@ -232,6 +233,11 @@ def combine(rows: Iterable[State]) -> State:
 def abs_mean(state: State) -> float:
     """Mean absolute value (``nan`` for an empty state)."""
     return state.abs_sum / state.numel if state.numel else math.nan
+
+
+def rms(state: State) -> float:
+    """Root mean square (``nan`` for an empty state)."""
+    return math.sqrt(max(state.sum_sq, 0.0) / state.numel) if state.numel else math.nan
 
 
 def norm_total(states: Iterable[State]) -> float:

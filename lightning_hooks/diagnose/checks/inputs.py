@@ -13,6 +13,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Snapshot,
     Thresholds,
 )
+from lightning_hooks.stats.state import rms as state_rms
 
 __all__ = [
     "INPUT_SCALE",
@@ -130,9 +131,7 @@ def oversized_start(snap: Snapshot) -> list[Evidence]:
     as ``torch.randn`` gives them unless scaled by ``1 / sqrt(fan_in)``. The first steps are spent shrinking them.
     Named after the first layer with weights whose output's RMS passes :data:`ALIKE_SCALE`, where the scale goes
     wrong, and the output layer."""
-    rms = {
-        n: math.sqrt(max(s.sum_sq, 0.0) / s.numel) for n, s in snap.activations.items() if s.numel and not s.nonfinite
-    }
+    rms = {n: state_rms(s) for n, s in snap.activations.items() if s.numel and not s.nonfinite}
     weighted = [n for n in snap.executed if n in snap.leaves_with_params and n in rms]
     if not weighted or rms[output := weighted[-1]] < START_SCALE:
         return []
