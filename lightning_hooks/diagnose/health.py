@@ -232,7 +232,10 @@ class HealthTracker:
         if "loss_spike" in on:
             immediate += self._moments.spikes(snap, left_out)
         if "saturation" in on:
-            persistent += saturation(snap, self.limits, learnt)
+            said = saturation(snap, self.limits, learnt)
+            persistent += said
+            output = {e.layers[0] for e in said if e.group != "saturated layers"}  # its dead outputs are its doing
+            immediate = [e for e in immediate if not (e.check == "dead_units" and e.layers[0] in output)]
         if "input_scale" in on:
             immediate += input_scale(snap, self.limits) + self._sorted_batches(snap)
             persistent += absent_inputs(snap)

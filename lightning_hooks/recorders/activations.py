@@ -135,8 +135,8 @@ class UnitRecorder:
         """The unit count of each per-unit key since :meth:`start`."""
         self.saturable: dict[str, int] = {}
         self.last_squashed: tuple[str, torch.Tensor, int] | None = None
-        """The latest sigmoid, tanh or softmax output that requires a gradient: its layer, the tensor and the dimension
-        of its rows."""
+        """The latest sigmoid, tanh, softmax or (but for :attr:`last_clamped`) ReLU output that requires a gradient:
+        its layer, the tensor and the dimension of its rows."""
         self.last_clamped: tuple[str, torch.Tensor] | None = None
         """The latest ReLU output that requires a gradient and has as many values as the batch's targets (see
         :attr:`target_numel`): its layer and the tensor."""
@@ -202,8 +202,8 @@ class UnitRecorder:
         return found[2]
 
     def watch_last_squashed(self) -> None:
-        """Before backward: if the last module to run was a sigmoid, tanh or softmax, sum the gradient its output gets
-        (only the model's output layer is judged by it, so an attention's softmax is left alone); if it was a ReLU
+        """Before backward: if the last module to run was a sigmoid, tanh, softmax or ReLU, sum the gradient its output
+        gets (only the model's output layer is judged by it, so an attention's softmax is left alone); but a ReLU's
         whose output has as many values as the targets, sum the gradient that pushes its zeros down (see
         :class:`_Clamped`)."""
         found, self.last_squashed = self.last_squashed, None
@@ -256,13 +256,11 @@ class _UnitHook:
             _follow_batch(recorder, self.name, args)
         if isinstance(module, _SATURABLE) and isinstance(output, torch.Tensor):
             _squashed(recorder, self.name, module, output)
-        elif (
-            isinstance(module, _CLAMPING)
-            and isinstance(output, torch.Tensor)
-            and output.requires_grad
-            and output.numel() == recorder.target_numel
-        ):
-            recorder.last_clamped = (self.name, output)  # autograd keeps a ReLU's output for backward anyway
+        elif isinstance(module, _CLAMPING) and isinstance(output, torch.Tensor) and output.requires_grad:
+            if output.numel() == recorder.target_numel:  # autograd keeps a ReLU's output for backward anyway
+                recorder.last_clamped = (self.name, output)
+            elif output.dim() >= 2 and output.shape[unit_dim(output)] > 1 and not is_sharded(output):
+                recorder.last_squashed = (self.name, output, unit_dim(output))  # logits through a ReLU?
         if (
             recorder.activations
             and not self.units

@@ -28,7 +28,7 @@ __all__ = [
     "watch_batch",
 ]
 
-SQUASHING = {nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Softmax: "softmax"}
+SQUASHING = {nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.Softmax: "softmax", nn.ReLU: "ReLU", nn.ReLU6: "ReLU"}
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 NORMS = (

@@ -646,16 +646,27 @@ def test_a_model_ending_in_a_softmax_is_named_only_when_the_loss_applies_a_softm
     [
         (nn.Tanh(), probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),
         (nn.Sigmoid(), probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),
+        (nn.ReLU(), probabilities(F.cross_entropy), [("saturation", ("net.5",), 0)]),
         (nn.Sigmoid(), probabilities(lambda p, y: F.binary_cross_entropy(p, F.one_hot(y, 3).float())), []),
         (nn.Tanh(), probabilities(lambda z, y: F.mse_loss(z, F.one_hot(y, 3).float() * 1.6 - 0.8)), []),
+        (nn.ReLU(), probabilities(lambda z, y: F.mse_loss(z, F.one_hot(y, 3).float())), []),
     ],
-    ids=["tanh, cross_entropy", "sigmoid, cross_entropy", "sigmoid, multi-label bce", "tanh, regression"],
+    ids=[
+        "tanh, cross_entropy",
+        "sigmoid, cross_entropy",
+        "relu, cross_entropy",
+        "sigmoid, multi-label bce",
+        "tanh, regression",
+        "relu, regression to one-hot",
+    ],
 )
 def test_a_tanh_or_sigmoid_on_the_logits_of_cross_entropy_is_named(
     tmp_path: Path, last: nn.Module, loss: Loss, expected: list[tuple[str, tuple[str, ...], int]]
 ) -> None:
     # Logits squashed into (-1, 1) or (0, 1) cap every prediction's confidence: over 3 classes, at e²/(e² + 2) = 0.79
-    # and e/(e + 2) = 0.58. Before, the output layer was never judged, so nothing was said.
+    # and e/(e + 2) = 0.58. Before, the output layer was never judged, so nothing was said. A ReLU on the logits
+    # passes no gradient to those it holds at zero (a digits MLP so built ends with two classes' logits at zero on
+    # every digit, at 0.89 accuracy against 1.00: a held-out bug, 2026-11-29); before, nothing was said either.
     pl.seed_everything(0, verbose=False)
     model = classification(mlp(nn.ReLU(), nn.Linear(16, 3), last))
     model.loss = loss
@@ -674,6 +685,7 @@ def against(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], width: i
         (nn.Sigmoid(), 3, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
         (nn.Softmax(dim=1), 3, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
         (nn.Tanh(), 1, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
+        (nn.ReLU(), 3, F.binary_cross_entropy_with_logits, [("saturation", ("net.5",), 0)]),
         (nn.Identity(), 1, F.binary_cross_entropy_with_logits, []),
         (nn.Sigmoid(), 1, F.binary_cross_entropy, []),
         (nn.Sigmoid(), 3, F.mse_loss, []),
@@ -683,6 +695,7 @@ def against(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], width: i
         "sigmoid, multi-label",
         "softmax",
         "tanh",
+        "relu",
         "the fix: logits",
         "sigmoid, bce",
         "sigmoid, mse",
@@ -1639,11 +1652,17 @@ def zero_initialised(net: nn.Sequential) -> nn.Sequential:
 
 
 @pytest.mark.parametrize(
-    ("build", "layer", "said"),
+    ("build", "check", "layer", "said"),
     [
-        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU()), "net.3", "model's output"),
+        (
+            lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU()),
+            "saturation",
+            "net.3",
+            "give the loss the logits (remove the ReLU)",
+        ),
         (
             lambda: zero_initialised(mlp(nn.ReLU(), nn.Linear(16, 8))),
+            "dead_units",
             "net.1",
             "all-zero weights (a zero initialisation)",
         ),
@@ -1651,17 +1670,19 @@ def zero_initialised(net: nn.Sequential) -> nn.Sequential:
     ids=["relu on the logits", "zero initialisation"],
 )
 def test_dead_units_at_the_output_or_in_a_wholly_silent_layer_say_what_to_fix(
-    tmp_path: Path, build: Callable[[], nn.Sequential], layer: str, said: str
+    tmp_path: Path, build: Callable[[], nn.Sequential], check: str, layer: str, said: str
 ) -> None:
     # Both were told "try a lower learning rate, LeakyReLU or GELU": a ReLU on the logits is to be removed, and a layer
-    # whose every unit is zero has an input that is never positive, here from weights all initialised to zero.
+    # whose every unit is zero has an input that is never positive, here from weights all initialised to zero. The
+    # ReLU is named from step 0 by the gradient `cross_entropy` gives it; the logits it holds dead (2 of 8 from step 6)
+    # are its doing, not a second finding.
     pl.seed_everything(0, verbose=False)
     x = seeded(2048, 8)
     model = Fit(
         build(), x, (x @ seeded(8, 8)).argmax(1), lambda net, x, y: F.cross_entropy(net(x), y), sgd=True, lr=0.2
     )
     found = fit(tmp_path, model, steps=200, every=2)
-    assert [(f.check, f.layers[0]) for f in found][:1] == [("dead_units", layer)]
+    assert [(f.check, f.layers[0]) for f in found if layer in f.layers][:2] == [(check, layer)]
     assert said in found[0].message
 
 

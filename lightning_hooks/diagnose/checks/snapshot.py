@@ -82,7 +82,7 @@ class Snapshot:
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
     inputs: dict[str, float] = field(default_factory=dict)  # per batch tensor but masks (path), finite non-zeros' RMS
     saturated: dict[str, float] = field(default_factory=dict)  # per sigmoid/tanh/softmax: share at the bounds
-    squashing: dict[str, str] = field(default_factory=dict)  # per sigmoid, tanh and softmax layer: which
+    squashing: dict[str, str] = field(default_factory=dict)  # per sigmoid, tanh, softmax and ReLU layer: which
     row_sums: dict[str, float] = field(default_factory=dict)  # the output layer's gradient: Σ |row sums| / Σ |g|
     sigmoid_misfit: dict[str, float] = field(default_factory=dict)  # and its share a loss's own sigmoid leaves out
     clamped: dict[str, float] = field(default_factory=dict)  # a ReLU output layer: its gradient's share that pushes

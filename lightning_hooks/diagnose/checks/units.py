@@ -220,14 +220,15 @@ its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in 
 def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:
     """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds, in one
     finding named after the first in model order (they saturate for one cause: weights or inputs too large), held
-    while any is; and one of them that is the model's last layer and whose gradient sums to zero over each row
-    (:data:`ROWS_SUM_TO_ZERO`): a loss such as ``cross_entropy`` took its outputs for logits and applies a softmax
-    of its own, so a softmax's gradient saturates, and logits bounded by a sigmoid or tanh cap every prediction's
-    confidence; or whose gradient is ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a
-    sigmoid of its own. A loss of a softmax's probabilities themselves (``nll_loss`` of their log, a
-    ``Categorical(probs=...)``) is not named, nor are the layers in ``learnt`` (saturated by learning); but when that
-    loss is negative, in ``[-1, 0)`` at every step, it is ``nll_loss`` of the probabilities, not of their log. Also a
-    ReLU that gives the model's output and holds at zero outputs the loss pushes below it (:data:`CLAMPED`)."""
+    while any is; and one of them (or a ReLU) that is the model's last layer and whose gradient sums to zero over
+    each row (:data:`ROWS_SUM_TO_ZERO`): a loss such as ``cross_entropy`` took its outputs for logits and applies a
+    softmax of its own, so a softmax's gradient saturates, logits bounded by a sigmoid or tanh cap every
+    prediction's confidence, and a ReLU passes no gradient to the logits it holds at zero; or whose gradient is
+    ``binary_cross_entropy_with_logits``'s (:data:`SIGMOID_FITS`), which applies a sigmoid of its own. A loss of a
+    softmax's probabilities themselves (``nll_loss`` of their log, a ``Categorical(probs=...)``) is not named, nor are
+    the layers in ``learnt`` (saturated by learning); but when that loss is negative, in ``[-1, 0)`` at every step, it
+    is ``nll_loss`` of the probabilities, not of their log. Also a ReLU that gives the model's output and holds at
+    zero outputs the loss pushes below it (:data:`CLAMPED`)."""
     found = []
     last = snap.executed[-1] if snap.executed else ""
     kind = snap.squashing.get(last, "")
@@ -239,6 +240,12 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
                 "a softmax of its own) or of a squared error against one-hot targets does: either way the gradient "
                 "through this softmax saturates and learning crawls; give `cross_entropy` the logits (or end with "
                 "`nn.LogSoftmax` and use `nll_loss`)."
+            )
+        elif kind == "ReLU":
+            said += (
+                "the loss took its outputs for logits (their gradient sums to zero over each row, as `cross_entropy`'s "
+                "does): the ReLU holds every negative logit at zero, where it passes no gradient, so a class it holds "
+                "there for every sample can no longer be learnt; give the loss the logits (remove the ReLU)."
             )
         else:
             bounds = "(0, 1)" if kind == "sigmoid" else "(-1, 1)"
@@ -267,13 +274,13 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
         )
         found.append(Evidence("saturation", (label(last),), share, CLAMPED, said))
     elif kind and snap.sigmoid_misfit.get(last, math.inf) <= SIGMOID_FITS:
-        low, high = ("0.27", "0.73") if kind == "tanh" else ("0.5", "0.73")
+        low, high = {"tanh": ("0.27", "0.73"), "ReLU": ("0.5", "1")}.get(kind, ("0.5", "0.73"))
         said = (
             f"the model's output comes from the {kind} `{label(last)}`, and the loss took it for logits (its gradient "
             f"is the loss's own sigmoid of it minus the target, as `binary_cross_entropy_with_logits`'s is): "
-            f"squashed twice, every predicted probability lies between {low} and {high}; give "
-            f"`binary_cross_entropy_with_logits` the logits (remove the {kind}), or the probabilities to "
-            f"`binary_cross_entropy`."
+            f"{'held at zero or above' if kind == 'ReLU' else 'squashed twice'}, every predicted probability lies "
+            f"between {low} and {high}; give `binary_cross_entropy_with_logits` the logits (remove the {kind})"
+            f"{'' if kind == 'ReLU' else ', or the probabilities to `binary_cross_entropy`'}."
         )
         found.append(Evidence("saturation", (label(last),), snap.sigmoid_misfit[last], SIGMOID_FITS, said))
     if squashed := saturated_layers(snap, learnt):
