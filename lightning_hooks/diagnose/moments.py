@@ -12,7 +12,7 @@ from dataclasses import replace
 from lightning_hooks.core.select import label
 from lightning_hooks.diagnose.checks.snapshot import SETTLED, SHOWN_LAYERS, Evidence, Snapshot, Thresholds, listed
 
-__all__ = ["RISE_MAX", "SPIKE_MIN_HISTORY", "SPIKE_WINDOW", "Moments", "loss_level"]
+__all__ = ["RISE_MAX", "SPIKE_MIN_HISTORY", "SPIKE_WINDOW", "UNBOUNDED", "Moments", "loss_level"]
 
 SPIKE_WINDOW = 100
 """How many previous steps' losses the rolling median and MAD of ``loss_spike`` are taken over."""
@@ -70,14 +70,14 @@ class Moments:
                 continue
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
-            found += self._grew(run, "steps in a row, then overflowed", snap.clip, overflowed=True)
+            found += self._grew(run, "steps in a row, then overflowed", snap.clip, self._unbounded(snap), True)
         if steps:
             level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
         else:
             level = _per_layer_of(snap, left_out)
         if level and all(math.isfinite(v) for v in level.values()):
             self._logged_norms.append((snap.step, level))
-            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip)
+            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip, self._unbounded(snap))
             found += self._diverging(snap, level, steps[0] if steps else level)
         return found[:1]
 
@@ -108,16 +108,25 @@ class Moments:
             Evidence("exploding_gradients", tuple(label(n) for n in grew), loss / loss0, self.limits.norm_growth, said)
         ]
 
+    def _unbounded(self, snap: Snapshot) -> float | None:
+        """The loss (its median since the last logging step) when it is negative and :data:`UNBOUNDED` times the
+        first step's or more in magnitude: a loss with no lower bound, falling as the weights grow."""
+        losses = [loss for _, loss in snap.losses if math.isfinite(loss)]
+        loss = statistics.median(losses) if losses and self._start is not None else 0.0
+        return loss if loss < 0 and abs(loss) >= UNBOUNDED * abs(self._start[0] if self._start else 0.0) else None
+
     def _grew(
         self,
         run: list[tuple[int, dict[str, float]]],
         how: str,
         clip: tuple[str, float] | None,
+        unbounded: float | None = None,
         overflowed: bool = False,
     ) -> list[Evidence]:
         """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
         if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
-        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth."""
+        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth. Its fix
+        is the loss's when the loss is ``unbounded`` (see :meth:`_unbounded`)."""
         length = 3 if overflowed else self.limits.patience + 1
         totals = [math.hypot(*norms.values()) for _, norms in run]
         rising = 1
@@ -140,6 +149,12 @@ class Moments:
             if clip is not None
             else "try gradient clipping (`gradient_clip_val`), a lower learning rate, or a smaller initialisation."
         )
+        if unbounded is not None:
+            fix = (
+                f"the loss is negative and falls with it (to {unbounded:.3g}): it has no lower bound, as `nll_loss` "
+                f"given logits has (it takes log-probabilities: apply `log_softmax` first, or use `cross_entropy`); "
+                f"clipping or a lower learning rate would only slow the fall."
+            )
         said = (
             f"the total gradient norm grew {growth:.3g}-fold over {len(totals) - 1} {how} (to {totals[-1]:.3g} "
             f"at step {last_step}), most in {listed(grew)}; {fix}"
@@ -230,6 +245,11 @@ class Moments:
         )
         layers = tuple(label(n) for n in worst) or ("root",)
         return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
+
+
+UNBOUNDED = 10.0
+"""An ``exploding_gradients`` growth is a loss without a lower bound when the loss is negative and this many times the
+first step's in magnitude (``nll_loss`` of logits starts near 0 and falls without end)."""
 
 
 def loss_level(history: Sequence[float], top_median: float = 0.0) -> tuple[float, float]:

@@ -387,6 +387,23 @@ def test_probabilities_given_to_nll_loss_are_named_at_the_softmax(tmp_path: Path
     assert accuracy < 0.7  # 0.60 at step 100: the same model learns slower
 
 
+@pytest.mark.parametrize("log_softmax", [False, True], ids=["logits (the bug)", "log-probabilities"])
+def test_logits_given_to_nll_loss_are_named_as_a_loss_without_a_lower_bound(tmp_path: Path, log_softmax: bool) -> None:
+    # `nll_loss` of logits is minus the target's logit: nothing bounds it below, so SGD drives the logits and weights
+    # up until they overflow (a held-out bug, 2026-11-29: the loss from -0.016 to -1.6e3 by step 25, NaN at step 31).
+    # Before, the growth was named with the fixes for a step too large (clipping, a lower learning rate), which only
+    # slow the fall.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    loss = (lambda m, x, y: F.nll_loss(F.log_softmax(m(x), 1), y)) if log_softmax else nll
+    found = fit(tmp_path, on_digits(net, loss, sgd=True, lr=0.05), steps=40)
+    if log_softmax:
+        assert found == []
+        return
+    assert found[0].check == "exploding_gradients"
+    assert "it has no lower bound, as `nll_loss` given logits has" in found[0].message
+
+
 class Dense(nn.Module):
     """A layer written by hand as tutorials do: ``x @ W + b`` with ``W = torch.randn(fan_in, fan_out)``, times
     ``fan_in ** -0.5`` when ``scaled`` (the fix)."""

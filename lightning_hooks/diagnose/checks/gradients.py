@@ -153,7 +153,7 @@ def gradient_spread(
             f" get gradients {top / first:.0e} times smaller than the largest layer's (mean |g| {first:.2e} against "
             f"{top:.2e}), shrinking layer by layer toward the input, a vanishing gradient: their weights barely "
             f"learn; try residual connections, normalization layers, or an initialisation that keeps the signal's "
-            f"scale (`nn.init.kaiming_normal_` for ReLU)."
+            f"scale (`nn.init.kaiming_normal_` for ReLU, `xavier_normal_` for tanh)."
         )
         layers = tuple(label(n) for n in faded[:SHOWN_LAYERS])
         return [Evidence("vanishing_gradients", layers, first / top, 1 / spread, said, group=FADING)]

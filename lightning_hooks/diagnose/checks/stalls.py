@@ -57,7 +57,8 @@ def no_learning(snap: Snapshot, limits: Thresholds, zero_from_start: bool = Fals
         "look for"
         if snap.automatic
         else "under manual optimization, look first for `optimizer.zero_grad()` called between "
-        "`self.manual_backward(loss)` and `optimizer.step()` (it clears the gradients the step needs); then for"
+        "`self.manual_backward(loss)` and `optimizer.step()`, or `optimizer.step()` before "
+        "`self.manual_backward(loss)` (the step gets cleared gradients); then for"
     )
     said = (
         f"every parameter gradient is exactly zero or missing at step {snap.step}: nothing learns; {look} an "
