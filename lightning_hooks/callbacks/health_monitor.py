@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -35,6 +36,7 @@ from lightning_hooks.diagnose.report import COLUMNS, rows, summary, warning
 from lightning_hooks.recorders.activations import UnitRecorder
 from lightning_hooks.recorders.gradients import ParamGradRecorder, gradient_norms
 from lightning_hooks.recorders.readings import (
+    BATCH_NORMS,
     Layers,
     fingerprints,
     layer_gradients,
@@ -200,6 +202,7 @@ class HealthMonitor(StatsCallback):
         self._scaler: torch.amp.GradScaler | None = None
         self._overflow: list[torch.Tensor] = []  # the GradScaler's flags of this logging step's optimizer steps
         self._previous_batch_step = -1  # the optimizer steps taken when the previous batch began
+        self._batch_index = -1  # the latest batch's index in its epoch
         self._carry: list[tuple[str, Carried]] = []  # under manual optimization, whether `.grad` is zeroed
         self._carried: dict[str, list[str]] = {}  # the layers of each optimizer behind a ("carried", <i>) vector
         self._checked_until = -1  # the last step checked in this fit
@@ -275,6 +278,7 @@ class HealthMonitor(StatsCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._previous_batch_step = self.batch_step  # due_step reads this batch's (global_step: a chain of properties)
+        self._batch_index = batch_idx
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._batch.open and ("input_scale" in self.checks or "saturation" in self.checks):
             watch_batch(self._units, self._batch, batch, inputs="input_scale" in self.checks)
@@ -419,12 +423,17 @@ class HealthMonitor(StatsCallback):
 
     def _unoptimized(self, trainer: pl.Trainer) -> frozenset[str]:
         """The layers with a parameter that has a gradient but is in none of the Trainer's optimizers (none when there
-        is no optimizer: the model is stepped by hand)."""
+        is no optimizer: the model is stepped by hand). Not a batch norm under Lightning's ``BaseFinetuning``: it leaves
+        a frozen backbone's batch norms trainable (``train_bn``), or makes them so when it unfreezes, outside the
+        optimizer."""
         if not trainer.optimizers:
             return frozenset()
         stepped = {
             id(p) for optimizer in trainer.optimizers for group in optimizer.param_groups for p in group["params"]
         }
+        if any(isinstance(callback, BaseFinetuning) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+            norms = [m for m in trainer.lightning_module.modules() if isinstance(m, BATCH_NORMS)]
+            stepped |= {id(p) for norm in norms for p in norm.parameters()}
         owner = self._layers.owner
         return frozenset(owner[name] for name, p in self._params if p.grad is not None and id(p) not in stepped)
 
@@ -467,6 +476,7 @@ class HealthMonitor(StatsCallback):
             carried=carried_layers(fetched, self._carried),
             ungraded=fingerprints(fetched, self._ungraded),
             total_steps=_total_steps(trainer),
+            batch_index=self._batch_index,
             guard=_guard_finding(trainer, self._checked_until, step),
         )
 

@@ -16,6 +16,7 @@ from lightning_hooks.diagnose.checks import (
     CONVERGED,
     FADED,
     FADING,
+    MIN_LABELS,
     SATURATED,
     SETTLED,
     Evidence,
@@ -152,7 +153,8 @@ class HealthTracker:
         self._ungraded: dict[str, tuple[int, tuple[float, ...]]] = {}  # per layer, since when, and its fingerprint
         self._zero_losses: int | None = 0  # steps from step 0 whose loss was exactly zero, None after any other
         self._backwardless: int | None = None  # since when no backward ran and no gradient came (see _no_backward)
-        self._classes: deque[tuple[int, float | None]] = deque(maxlen=RISE_MAX)  # per logging step, its labels' class
+        self._classes: deque[tuple[int, int, float | None]] = deque(maxlen=RISE_MAX)  # per logging step, its batch
+        # index and its labels' class
         self._labels_path = ""  # the batch tensor they are read from
         self._carried: frozenset[str] = frozenset()  # the layers whose `.grad` was found not zeroed between steps
         self._silent: dict[str, deque[tuple[int, list[bool], float]]] = {}  # step, silent units, samples per unit
@@ -229,8 +231,9 @@ class HealthTracker:
         persistent += grown
         if "nonfinite" in on:
             immediate += nonfinite(snap, self.limits)
-        if "loss_spike" in on:
-            immediate += self._moments.spikes(snap, left_out)
+        if "loss_spike" in on:  # not over batches of a few labels: a hard sample's loss is the batch's
+            few = any(count < MIN_LABELS for count, _, _ in snap.labels.values())
+            immediate += self._moments.spikes(snap, left_out, judged=not few)
         if "saturation" in on:
             said = saturation(snap, self.limits, learnt)
             persistent += said
@@ -268,14 +271,17 @@ class HealthTracker:
         return new
 
     def _sorted_batches(self, snap: Snapshot) -> list[Evidence]:
-        """:func:`sorted_batches` over the logging steps' class labels so far (a step without them starts again)."""
+        """:func:`sorted_batches` over the logging steps' class labels so far (a step without them, or whose one value
+        is no index of the model's output, as a batch of sequences of one length has, starts again)."""
         path, labels = next(iter(snap.labels.items()), ("", None))
         if labels is None or path != self._labels_path:
             self._classes.clear()
             self._labels_path = path
         if labels is None:
             return []
-        self._classes.append((snap.step, one_class(labels)))
+        value, width = one_class(labels), snap.output_width
+        value = None if value is not None and width and not 0 <= value < width else value  # no class of the output
+        self._classes.append((snap.step, snap.batch_index, value))
         return sorted_batches(self._classes, path, self.limits)
 
     def _no_backward(self, snap: Snapshot) -> list[Evidence]:

@@ -162,11 +162,12 @@ class Moments:
         layers = tuple(label(n) for n in grew)
         return [Evidence("exploding_gradients", layers, growth, self.limits.norm_growth, said, step=first_step)]
 
-    def spikes(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
+    def spikes(self, snap: Snapshot, left_out: frozenset[str], judged: bool = True) -> list[Evidence]:
         """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
         rolling median as it stood then, and :data:`SPIKE_TAIL` times further above it than the highest settled loss
         of the window; a spike on the step right after another extends that finding. The layers ``left_out`` (their
-        ``.grad`` only grows) are not named."""
+        ``.grad`` only grows) are not named. Unless ``judged``, the losses are only kept (batches of a few samples,
+        where one hard sample is the batch's loss)."""
         found = []
         level = self._level()
         highest = max((loss for step, loss in self._losses if step >= SETTLED), default=-math.inf)
@@ -174,7 +175,7 @@ class Moments:
             norms = snap.norms[i] if i < len(snap.norms) else []
             if not math.isfinite(loss):
                 continue
-            if level is not None:
+            if level is not None and judged:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):

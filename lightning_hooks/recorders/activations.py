@@ -129,6 +129,8 @@ class UnitRecorder:
         """Per module of :attr:`order`, the index of its latest call among this step's calls of hooked modules (a
         module that runs twice, as each torchvision ResNet block runs its one ReLU, runs last after the layers
         between)."""
+        self.output_width = 0
+        """The size of the last dimension of the latest output (the model's last layer's: a classifier's classes)."""
         self.with_grad: set[str] = set()
         """The modules of :attr:`order` that ran with gradients enabled (not under ``torch.no_grad()``)."""
         self.widths: dict[tuple[str, str], int] = {}
@@ -187,7 +189,7 @@ class UnitRecorder:
 
     def start(self) -> None:
         self.samples, self.order, self.widths, self.saturable, self.with_grad = {}, {}, {}, {}, set()
-        self.calls, self.last_call = 0, {}
+        self.calls, self.last_call, self.output_width = 0, {}, 0
         self.last_squashed = self.last_clamped = None
         self.batch_tensors, self.batch_sizes, self.takers, self.entry, self.sums = {}, {}, {}, None, {}
         self.made, self.activated, self.carried, self.sources, self.after = {}, {}, {}, {}, {}
@@ -250,6 +252,7 @@ class _UnitHook:
         recorder.order[self.name] = None
         recorder.calls += 1
         recorder.last_call[self.name] = recorder.calls
+        recorder.output_width = output.shape[-1] if isinstance(output, torch.Tensor) and output.dim() else 0
         if torch.is_grad_enabled():
             recorder.with_grad.add(self.name)
         if recorder.batch_tensors:
@@ -453,7 +456,8 @@ class _RowSums:
     gradient unchanged. The last is what ``binary_cross_entropy_with_logits`` of the output ``y`` leaves unexplained,
     beyond the rounding of the gradient's dtype: its gradient is ``c (σ(y) - t)``, with the target ``t`` 0 where the
     gradient is positive and 1 where it is negative, and ``c`` (the loss's scale: ``1 / N`` for a mean,
-    ``pos_weight / N`` for the positives) fitted to each sign."""
+    ``pos_weight / N`` for the positives) fitted to each sign; all of it for fewer than 8 values, which any scale
+    fits (one bag a step of multiple-instance learning under ``binary_cross_entropy``)."""
 
     def __init__(self, batch: StatBatch, name: str, output: torch.Tensor, dim: int) -> None:
         self.batch, self.name, self.output, self.dim = batch, name, output, dim
@@ -466,6 +470,7 @@ class _RowSums:
         scales = [(g * side).sum() / (own * side).sum() for side in (positive, negative)]
         miss = (g - torch.where(negative, scales[1], scales[0]) * own).abs() - torch.finfo(grad.dtype).eps * g.abs()
         unexplained = torch.where(g != 0, miss.clamp(min=0), 0.0).sum()  # beyond the gradient's own rounding
+        unexplained = unexplained if g.numel() >= 8 else g.abs().sum()  # a scale fitted to a value or two fits it
         rows = g.sum(self.dim).abs().sum()
         self.batch.add_vector(("rowsum", self.name), torch.stack([rows, g.abs().sum(), unexplained]))
 

@@ -121,6 +121,7 @@ class Outputs:
     order: list[str] = field(default_factory=list)
     executed: list[str] = field(default_factory=list)
     last_calls: dict[str, int] = field(default_factory=dict)
+    output_width: int = 0
     activations: dict[str, State] = field(default_factory=dict)
     units: dict[str, list[float]] = field(default_factory=dict)
     activated: dict[str, str] = field(default_factory=dict)
@@ -148,6 +149,7 @@ def layer_outputs(fetched: Fetched, recorder: UnitRecorder, replicas: int, layer
         order=[*executed, *(name for name in layers.order if name not in ran)],
         executed=executed,
         last_calls={label(name): call for name, call in recorder.last_call.items()},
+        output_width=recorder.output_width,
         saturated={
             label(k[1]): v[0] / max(recorder.saturable.get(k[1], 0) * replicas * fetched.parts.get(k, 1), 1)
             for k, v in vectors.items()

@@ -859,18 +859,23 @@ def test_one_hard_sample_in_a_batch_of_one_is_not_a_loss_spike(tmp_path: Path) -
     assert fit(tmp_path, model, steps=1000, every=50) == []
 
 
-def test_a_bad_batch_once_a_classifier_has_converged_is_a_loss_spike(tmp_path: Path) -> None:
-    # The same digits in batches of 64, whose losses are smooth; at step 300 one batch has every label wrong.
+@pytest.mark.parametrize("batch_size", [64, 4])
+def test_a_bad_batch_once_a_classifier_has_converged_is_a_loss_spike(tmp_path: Path, batch_size: int) -> None:
+    # The same digits in batches of 64, whose losses are smooth; at step 300 one batch has every label wrong (and its
+    # inputs five times too large). In batches of 4 one sample the model gets confidently wrong can do as much (a
+    # names tutorial's RNN trained one name a step had one at 6.7 against a median of 0.007, step 3,018 of a fit
+    # reaching 0.985 accuracy): below 8 labels a batch, spikes are not judged.
     from sklearn.datasets import load_digits
 
     pl.seed_everything(0, verbose=False)
     digits = load_digits()
     x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x), (y + (model.global_step == 300)) % 10), lr=3e-3)
-    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)  # type: ignore[method-assign]
+    model = Fit(net, x, y, lambda m, x, y: F.cross_entropy(m(x * (1 + 4 * bad())), (y + bad()) % 10), lr=3e-3)
+    bad = lambda: int(model.global_step == 300)  # noqa: E731
+    model.train_dataloader = lambda: DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)  # type: ignore[method-assign]
     spikes = [f for f in fit(tmp_path, model, steps=320, every=50) if f.check == "loss_spike"]
-    assert [f.step for f in spikes] == [300]
+    assert [f.step for f in spikes] == ([300] if batch_size == 64 else [])
 
 
 class WithAverage(nn.Module):

@@ -264,3 +264,123 @@ def test_programs_of_kinds_no_check_was_written_from_make_no_finding(
     else:
         assert sum(losses[-5:]) < sum(losses[:5]) - 0.1 * abs(sum(losses[:5]))
     assert monitor.findings == []
+
+
+class Transfer(pl.LightningModule):
+    """A batch-norm CNN backbone and a new head on digits, the head alone given to Adam, as Lightning's
+    ``BackboneFinetuning`` recipe does (the callback adds the backbone when it unfreezes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()
+        )
+        self.head = nn.Linear(128, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x.view(-1, 1, 8, 8))), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(digits(), batch_size=64, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.head.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("train_bn", [True, False, None], ids=["train_bn", "frozen bn", "no finetuning callback"])
+def test_lightning_backbone_finetuning_leaves_batch_norms_outside_the_optimizer_unnamed(
+    tmp_path: Path, train_bn: bool | None
+) -> None:
+    # `BackboneFinetuning` leaves a frozen backbone's batch norms trainable (`train_bn=True`), or makes them so when it
+    # unfreezes the backbone without adding them (`train_bn=False`): they get gradients outside the optimizer, by the
+    # callback's design. Before, they were named as left out of the optimizer. A backbone left out with no such
+    # callback is still named.
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    pl.seed_everything(0, verbose=False)
+    monitor = HealthMonitor(log_every_n_steps=5)
+    also = [] if train_bn is None else [BackboneFinetuning(unfreeze_backbone_at_epoch=1, train_bn=train_bn)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [monitor, *also], max_steps=60, logger=False).fit(Transfer())
+    found = [(f.check, f.layers) for f in monitor.findings]
+    assert found == ([] if train_bn is not None else [("update_ratio", ("backbone.0", "backbone.1"))])
+
+
+class OneValueBatches(pl.LightningModule):
+    """Batches whose last tensor holds one value each, by design: sequences bucketed by length (``(tokens, label,
+    length)``: is token 7 commoner than token 8?), or two digits tasks taken in turn (``(x, label, task)``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.EmbeddingBag(30, 32)  # mean over a sequence
+        self.trunk = nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+        self.heads = nn.ModuleList([nn.Linear(64, 10), nn.Linear(64, 2)])
+        self.head = nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, last = batch
+        if self.kind == "lengths":
+            return F.cross_entropy(self.head(self.embed(x)), y)
+        return F.cross_entropy(self.heads[int(last[0])](self.trunk(x)), y)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        if self.kind == "lengths":
+            batches = []
+            for length in range(8, 25):
+                tokens = torch.randint(0, 30, (96, length), generator=g)
+                label = ((tokens == 7).sum(1) > (tokens == 8).sum(1)).long()
+                batches += [
+                    (t, y, torch.full((len(y),), length))
+                    for t, y in zip(tokens.split(32), label.split(32), strict=True)
+                ]
+        else:
+            x, y = digits().tensors
+            batches = [
+                (xs, ys % 2 if task else ys, torch.full((len(ys),), task))
+                for xs, ys in zip(x.split(32), y.split(32), strict=True)
+                for task in (0, 1)
+            ]
+        order = torch.randperm(len(batches), generator=g).tolist() if self.kind == "lengths" else range(len(batches))
+        return DataLoader([batches[i] for i in order], batch_size=None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+@pytest.mark.parametrize("kind", ["lengths", "tasks"])
+def test_batches_of_one_length_or_one_task_each_are_not_a_training_set_sorted_by_class(
+    tmp_path: Path, kind: str
+) -> None:
+    # Length bucketing (torchtext's BucketIterator) puts one length in each batch, and its lengths come last; a
+    # round-robin over tasks puts one task id in each. Before, either was "every batch held a single class: the
+    # training set is sorted by class". Lengths are no index of the model's 2 outputs, and tasks taken in turn do not
+    # lie in blocks in the loader's order, as a sorted training set's classes do.
+    pl.seed_everything(0, verbose=False)
+    monitor = HealthMonitor(log_every_n_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [monitor], max_steps=150, logger=False).fit(OneValueBatches(kind))
+    assert monitor.findings == []
+
+
+def is_nine(program: Program, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.binary_cross_entropy(program.net(x).squeeze(1), (y == 9).float())
+
+
+def test_a_sigmoid_under_binary_cross_entropy_one_sample_a_step_is_not_taken_for_logits(tmp_path: Path) -> None:
+    # Attention-based multiple-instance learning (Ilse et al.) trains one bag a step: a sigmoid's single output under
+    # `binary_cross_entropy`. The check that the loss took the sigmoid's output for logits fits the loss's scale to the
+    # gradient, and a scale fits one value exactly: before, this was "squashed twice". Fewer than 8 values are not
+    # judged.
+    pl.seed_everything(0, verbose=False)
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1), nn.Sigmoid())
+    monitor = HealthMonitor(log_every_n_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path, [monitor], max_steps=100, logger=False).fit(Program(net, digits(), is_nine, 1))
+    assert monitor.findings == []

@@ -13,6 +13,7 @@ from lightning_hooks.diagnose.checks.gradients import (
     vanishing_layers,
 )
 from lightning_hooks.diagnose.checks.inputs import (
+    MIN_LABELS,
     absent_inputs,
     input_scale,
     one_class,
@@ -67,6 +68,7 @@ __all__ = [
     "no_backward",
     "no_learning",
     "nonfinite",
+    "MIN_LABELS",
     "one_class",
     "oversized_start",
     "rounded_away",

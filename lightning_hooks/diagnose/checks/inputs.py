@@ -182,18 +182,24 @@ def one_class(labels: tuple[float, float, float]) -> float | None:
     return total / count if squares - total * total / count < 0.5 else None
 
 
-def sorted_batches(seen: Sequence[tuple[int, float | None]], path: str, limits: Thresholds) -> list[Evidence]:
+def sorted_batches(seen: Sequence[tuple[int, int, float | None]], path: str, limits: Thresholds) -> list[Evidence]:
     """A training set sorted by class and not shuffled: the batch checked at each of the last ``patience`` logging
-    steps or more (``seen``: per logging step, in order, the one class of its labels ``path``, or None) held a single
-    class, and two or more classes came in turn. Each batch teaches the model that every sample is of its class: it
-    forgets the others between their turns. Named after the model (``root``): no layer is to blame."""
-    run: list[tuple[int, float]] = []
-    for step, value in reversed(seen):
+    steps or more (``seen``: per logging step, in order, its index in its epoch and the one class of its labels
+    ``path``, or None) held a single class, two or more classes came in turn, and in the loader's order (by batch
+    index) each class fills one stretch of batches, one of them two batches or more: the classes lie in blocks. Each
+    batch teaches the model that every sample is of its class: it forgets the others between their turns. Tasks
+    taken in turn (0, 1, 0, 1 by batch index) or batches of one length each in a shuffled order are not blocks. Named
+    after the model (``root``): no layer is to blame."""
+    run: list[tuple[int, int, float]] = []
+    for step, index, value in reversed(seen):
         if value is None:
             break
-        run.insert(0, (step, value))
-    classes = list(dict.fromkeys(value for _, value in run))
-    if len(run) < limits.patience or len(classes) < 2:
+        run.insert(0, (step, index, value))
+    classes = list(dict.fromkeys(value for _, _, value in run))
+    in_order = [value for _, value in sorted({(index, value) for _, index, value in run})]
+    stretches = [value for i, value in enumerate(in_order) if i == 0 or in_order[i - 1] != value]
+    blocks = len(stretches) == len(classes) < len(in_order)
+    if len(run) < limits.patience or len(classes) < 2 or not blocks:
         return []
     shown = ", ".join(f"{value:g}" for value in classes[:6]) + (", ..." if len(classes) > 6 else "")
     said = (

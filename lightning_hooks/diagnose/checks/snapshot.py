@@ -78,6 +78,7 @@ class Snapshot:
     guard: tuple[str, int, str] | None = None  # a NonFiniteGuard's last finding: layer, step, first line
     executed: Sequence[str] = ()  # the leaves in the order they first ran (``order`` starts with them)
     last_calls: dict[str, int] = field(default_factory=dict)  # per leaf that ran, when it ran last (a call count)
+    output_width: int = 0  # the last dimension of the last leaf's output (a classifier's classes)
     adaptive: frozenset[str] = frozenset()  # layers an adaptive optimizer (anything but SGD) updates
     weight_sizes: dict[str, int] = field(default_factory=dict)  # parameter values per layer of ``weights``
     inputs: dict[str, float] = field(default_factory=dict)  # per batch tensor but masks (path), finite non-zeros' RMS
@@ -106,6 +107,7 @@ class Snapshot:
     normalizers: frozenset[str] = frozenset()  # normalization layers (batch, layer, group, instance, RMS)
     labels: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # the batch's class labels (its
     # last tensor, integers): their count, sum and sum of squares
+    batch_index: int = -1  # the batch's index in its epoch (the loader's order)
 
 
 @dataclass(frozen=True)
