@@ -32,6 +32,9 @@ MAD_SCALE = 1.4826
 """``1.4826 × MAD`` estimates the standard deviation of normally distributed values."""
 RISE_MAX = 64
 """``exploding_gradients`` follows a steady rise of the gradient norm over at most this many logging steps."""
+UNBOUNDED = 10.0
+"""An ``exploding_gradients`` growth is a loss without a lower bound when the loss is negative and this many times the
+first step's in magnitude (``nll_loss`` of logits starts near 0 and falls without end)."""
 
 
 class Moments:
@@ -246,11 +249,6 @@ class Moments:
         )
         layers = tuple(label(n) for n in worst) or ("root",)
         return Evidence("loss_spike", layers, z, self.limits.spike_threshold, said, step=step)
-
-
-UNBOUNDED = 10.0
-"""An ``exploding_gradients`` growth is a loss without a lower bound when the loss is negative and this many times the
-first step's in magnitude (``nll_loss`` of logits starts near 0 and falls without end)."""
 
 
 def loss_level(history: Sequence[float], top_median: float = 0.0) -> tuple[float, float]:
