@@ -57,7 +57,10 @@ class Moments:
     def growth(self, snap: Snapshot, left_out: frozenset[str]) -> list[Evidence]:
         """The total gradient norm (per layer, its median since the last logging step) rising ``norm_growth``-fold
         over ``patience`` or more logging steps in a row, or over consecutive steps until it overflowed; without the
-        layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it)."""
+        layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it). Logging steps
+        are counted from the first after step 0: a gradient may start a hundred times below its working level (a
+        contrastive loss over embeddings that all start alike: SimCLR's grows from 0.03 to 1.7 in 50 steps, then
+        stays within 1.6-6.2)."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
         pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
@@ -79,7 +82,8 @@ class Moments:
         else:
             level = _per_layer_of(snap, left_out)
         if level and all(math.isfinite(v) for v in level.values()):
-            self._logged_norms.append((snap.step, level))
+            if snap.step > 0:  # not the initialisation's, which may start far below the working level
+                self._logged_norms.append((snap.step, level))
             found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip, self._unbounded(snap))
             found += self._diverging(snap, level, steps[0] if steps else level)
         return found[:1]

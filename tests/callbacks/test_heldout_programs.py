@@ -384,3 +384,44 @@ def test_a_sigmoid_under_binary_cross_entropy_one_sample_a_step_is_not_taken_for
         warnings.simplefilter("ignore")
         make_trainer(tmp_path, [monitor], max_steps=100, logger=False).fit(Program(net, digits(), is_nine, 1))
     assert monitor.findings == []
+
+
+def two_views(x: torch.Tensor) -> torch.Tensor:
+    """A digit shifted by up to a pixel, 10 % of its pixels dropped and noise added: one of SimCLR's views."""
+    dx, dy = torch.randint(-1, 2, (2,)).tolist()
+    x = torch.roll(x, (dx, dy), (2, 3))
+    return x * (torch.rand_like(x) > 0.1) + 0.1 * torch.randn_like(x)
+
+
+def nt_xent(program: Program, batch: Any) -> torch.Tensor:
+    """SimCLR's loss at temperature 0.5: each view's other view among the batch's 2N."""
+    x = batch[0].view(-1, 1, 8, 8)
+    z = F.normalize(program.net(torch.cat([two_views(x), two_views(x)])), dim=1)
+    n = len(x)
+    similar = (z @ z.T / 0.5).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    return F.cross_entropy(similar, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+def test_a_contrastive_gradient_that_starts_far_below_its_working_level_is_not_exploding(tmp_path: Path) -> None:
+    # SimCLR's embeddings start almost alike (mean cosine 0.998), so its softmax starts near uniform and its gradient
+    # tiny: 0.03 at step 0, 1.7 at step 50, then within 1.6-6.2 (3.1 at step 150) while the loss falls from 5.5 to
+    # 4.3. Before, logging every 50 steps, that was a 107-fold growth over 3 logging steps: the rise is now counted
+    # from the first logging step after step 0.
+    pl.seed_everything(0, verbose=False)
+    encoder = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 16, 64),
+    )
+    net = nn.Sequential(encoder, nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    images = TensorDataset(digits().tensors[0][:1400])
+    monitor = HealthMonitor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tmp_path, [monitor], max_steps=250, log_every_n_steps=50, logger=False)
+        trainer.fit(Program(net, images, nt_xent, batch_size=128))
+    assert monitor.findings == []
