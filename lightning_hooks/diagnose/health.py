@@ -271,17 +271,15 @@ class HealthTracker:
         return new
 
     def _sorted_batches(self, snap: Snapshot) -> list[Evidence]:
-        """:func:`sorted_batches` over the logging steps' class labels so far (a step without them, or whose one value
-        is no index of the model's output, as a batch of sequences of one length has, starts again)."""
+        """:func:`sorted_batches` over the logging steps' class labels so far (a step without one class of the model's
+        output starts again)."""
         path, labels = next(iter(snap.labels.items()), ("", None))
         if labels is None or path != self._labels_path:
             self._classes.clear()
             self._labels_path = path
         if labels is None:
             return []
-        value, width = one_class(labels), snap.output_width
-        value = None if value is not None and width and not 0 <= value < width else value  # no class of the output
-        self._classes.append((snap.step, snap.batch_index, value))
+        self._classes.append((snap.step, snap.batch_index, one_class(labels, snap.output_width)))
         return sorted_batches(self._classes, path, self.limits)
 
     def _no_backward(self, snap: Snapshot) -> list[Evidence]:

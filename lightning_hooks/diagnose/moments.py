@@ -63,6 +63,7 @@ class Moments:
         stays within 1.6-6.2)."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
+        unbounded = self._unbounded(snap)
         pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
             if not norms:  # a step whose norms were not taken: the run of consecutive steps is broken
@@ -76,7 +77,7 @@ class Moments:
                 continue
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
-            found += self._grew(run, "steps in a row, then overflowed", snap.clip, self._unbounded(snap), True)
+            found += self._grew(run, "steps in a row, then overflowed", snap.clip, unbounded, True)
         if steps:
             level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
         else:
@@ -84,7 +85,7 @@ class Moments:
         if level and all(math.isfinite(v) for v in level.values()):
             if snap.step > 0:  # not the initialisation's, which may start far below the working level
                 self._logged_norms.append((snap.step, level))
-            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip, self._unbounded(snap))
+            found += self._grew(list(self._logged_norms), "logging steps in a row", snap.clip, unbounded)
             found += self._diverging(snap, level, steps[0] if steps else level)
         return found[:1]
 

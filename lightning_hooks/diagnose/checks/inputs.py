@@ -172,14 +172,16 @@ MIN_LABELS = 8
 balanced classes are all one class once in 128 batches; three such batches in a row, once in two million)."""
 
 
-def one_class(labels: tuple[float, float, float]) -> float | None:
+def one_class(labels: tuple[float, float, float], width: int = 0) -> float | None:
     """The class every label of a batch is, from their count, sum and sum of squares (their squared deviations add up
-    to 0, where labels of two classes give at least ``(n - 1) / n``); None when they differ or are fewer than
-    :data:`MIN_LABELS`."""
+    to 0, where labels of two classes give at least ``(n - 1) / n``); None when they differ, are fewer than
+    :data:`MIN_LABELS`, or are no index of the model's output of ``width`` values (0: unknown), as the lengths of
+    sequences bucketed one length a batch are not."""
     count, total, squares = labels
-    if count < MIN_LABELS:
+    if count < MIN_LABELS or squares - total * total / count >= 0.5:
         return None
-    return total / count if squares - total * total / count < 0.5 else None
+    value = total / count
+    return value if not width or 0 <= value < width else None
 
 
 def sorted_batches(seen: Sequence[tuple[int, int, float | None]], path: str, limits: Thresholds) -> list[Evidence]:
