@@ -188,8 +188,8 @@ class Moments:
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
                     spike = self._spike(step, loss, median, z, norms, snap.norm_layers, left_out)
-                    if self._last_spike is not None and self._last_spike[0] == step - 1:
-                        spike = replace(spike, layers=self._last_spike[1].layers, step=self._last_spike[1].step)
+                    if self._last_spike is not None and self._last_spike[0] == step - 1:  # its finding, extended
+                        spike = replace(spike, layers=self._last_spike[1].layers)
                     self._last_spike = (step, spike)
                     found.append(spike)
                     continue  # a spike does not become the level the next steps are judged by

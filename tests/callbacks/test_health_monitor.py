@@ -106,6 +106,21 @@ def test_a_loss_spike_on_a_quiet_step_is_found_at_its_step_and_attributed(tmp_pa
     assert any("loss_spike" in w for w in warned)
 
 
+def test_a_loss_spike_on_two_steps_in_a_row_is_one_finding_from_the_first_to_the_last(tmp_path: Path) -> None:
+    calls: list[None] = []
+
+    def twice(out: torch.Tensor) -> torch.Tensor:  # at steps 33 and 34 (one forward a step), net.2's output is x1e3
+        calls.append(None)  # in value but passes its gradient unchanged: the loss spikes, the weights are not wrecked
+        return out + (out * 1e3 - out).detach() if len(calls) <= 2 else out
+
+    model = lambda: planted.Planted(planted.mlp(), tap="2", at_step=33, once=False, effect=twice)  # noqa: E731
+    monitor, warned = fit(tmp_path, model, steps=41, every=10)
+    [spike] = only(monitor.findings, "loss_spike")
+    assert (spike.step, spike.last_step) == (33, 34)
+    assert "at step 34" in spike.message  # the message is the latest step's, as its last_step
+    assert len([w for w in warned if "loss_spike" in w]) == 1
+
+
 def test_nonfinite_names_the_first_layer_in_model_order_and_stays_one_finding(tmp_path: Path) -> None:
     monitor, _ = fit(tmp_path, lambda: planted.planted_model("nan", at_step=10), steps=21)
     [nonfinite] = only(monitor.findings, "nonfinite")
