@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections.abc import Collection
 
 from lightning_hooks.core.select import label
@@ -217,6 +218,13 @@ its dtype's rounding: the loss applies a sigmoid of its own (0 when it does, in 
 1e-2 for `binary_cross_entropy` or a mean squared error of a sigmoid's outputs)."""
 
 
+BEYOND = 3.0
+"""``saturation`` names a sigmoid or tanh that gives the model's output (values of magnitude below 1) when the batch's
+targets have an RMS ``r`` this many times that bound and the loss stays at ``(r - 1)²`` or more, about the least a
+squared error of such an output against them can be: a regression onto targets the output cannot reach (a loss
+that only weighs the output with such a tensor, as sample weights under a cross-entropy, is far below it)."""
+
+
 def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = frozenset()) -> list[Evidence]:
     """Sigmoid, tanh and softmax layers with at least :data:`SATURATED` of their outputs at their bounds, in one
     finding named after the first in model order (they saturate for one cause: weights or inputs too large), held
@@ -273,6 +281,16 @@ def saturation(snap: Snapshot, limits: Thresholds, learnt: frozenset[str] = froz
             f"targets that are never negative."
         )
         found.append(Evidence("saturation", (label(last),), share, CLAMPED, said))
+    elif kind in ("sigmoid", "tanh") and (beyond := _unreachable_targets(snap)):
+        path, rms, loss = beyond
+        bounds = "(0, 1)" if kind == "sigmoid" else "(-1, 1)"
+        said = (
+            f"the model's output comes from the {kind} `{label(last)}`, which gives values in {bounds}, but"
+            f" the batch's targets (`{path}`) have an RMS of {rms:.3g} and the loss stays at "
+            f"{loss:.3g}: the output cannot reach them; remove the {kind} after the output layer (or scale the "
+            f"targets into {bounds} and the predictions back)."
+        )
+        found.append(Evidence("saturation", (label(last),), rms, BEYOND, said))
     elif kind and snap.sigmoid_misfit.get(last, math.inf) <= SIGMOID_FITS:
         low, high = {"tanh": ("0.27", "0.73"), "ReLU": ("0.5", "1")}.get(kind, ("0.5", "0.73"))
         said = (
@@ -302,6 +320,18 @@ def _probabilities_lost(snap: Snapshot) -> bool:
     """Whether every loss since the last logging step lies in ``[-1, 0)``: minus a probability, as ``nll_loss`` gives
     of probabilities (of log-probabilities it is positive)."""
     return bool(snap.losses) and all(-1.0 <= loss < 0.0 for _, loss in snap.losses)
+
+
+def _unreachable_targets(snap: Snapshot) -> tuple[str, float, float] | None:
+    """The targets' path and RMS, and the loss, where an output bounded by 1 cannot reach them (:data:`BEYOND`)."""
+    paths = list(snap.inputs)
+    losses = [abs(loss) for _, loss in snap.losses if math.isfinite(loss)]
+    if len(paths) < 2 or not losses:
+        return None
+    rms, loss = snap.inputs[paths[-1]], statistics.median(losses)
+    if rms >= BEYOND and loss >= (rms - 1) ** 2:
+        return paths[-1], rms, loss
+    return None
 
 
 def saturated_layers(snap: Snapshot, learnt: frozenset[str] = frozenset()) -> list[str]:
