@@ -159,9 +159,9 @@ class UnitRecorder:
         :func:`~lightning_hooks.stats.state.input_sums` of what it took go under ``("entry", <module>)``."""
         self.sums: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         """This step's :meth:`input_sums` by tensor id: the tensor, its version when they were taken, and the sums."""
-        self.made: dict[Any, tuple[str, int, bool]] = {}
-        """This step's module outputs by their autograd node: the module, its unit count, and whether its own units
-        are counted (a module without weights)."""
+        self.made: dict[Any, tuple[str, int, bool, int]] = {}
+        """This step's module outputs by their autograd node: the module, its unit count, whether its own units
+        are counted (a module without weights), and the dimension holding the units."""
         self.activations = True
         """Count the units of modules with weights after their functional activations (see :attr:`activated`)."""
         self.carried: dict[str, tuple[str, int, str]] = {}
@@ -277,17 +277,20 @@ class _UnitHook:
             if made is not None and not made[2]:
                 recorder.carried[self.name] = (made[0], made[1], made[3])
         source = None  # the module with weights whose output this one took as it came
+        axis = None  # where an elementwise module keeps that module's units (a channels-last GELU after a linear)
         if recorder.activations and self.units and args and isinstance(args[0], torch.Tensor):
             source = _source(recorder, args[0], output)
             recorder.sources.setdefault(self.name, set()).add(source[0] if source is not None else None)
+            if source is not None and isinstance(output, torch.Tensor) and output.shape == args[0].shape:
+                axis = source[2]
         if (
             recorder.activations
             and isinstance(output, torch.Tensor)
             and output.grad_fn is not None
             and output.dim() >= 2
         ):
-            width = output.shape[_unit_axis(module, output)]
-            recorder.made[output.grad_fn] = (self.name, width, self.units)
+            made_axis = _unit_axis(module, output) if axis is None else axis
+            recorder.made[output.grad_fn] = (self.name, output.shape[made_axis], self.units, made_axis)
         for path, tensor in named_tensors(output):
             if not tensor.is_floating_point():
                 continue
@@ -295,7 +298,7 @@ class _UnitHook:
             key = recorder.keys.key(self.name, path)
             if self.units and x.dim() >= 2:
                 squares = _squares(x)
-                dim = unit_dim(x, self.channels_first)
+                dim = axis if axis is not None and not path else unit_dim(x, self.channels_first)
                 if recorder.widths.setdefault(key, x.shape[dim]) != x.shape[dim]:
                     key = recorder.keys.eager(self.name, f"{path}[{x.shape[dim]}]")
                     recorder.widths[key] = x.shape[dim]
@@ -362,20 +365,21 @@ def _made_by(recorder: UnitRecorder, x: torch.Tensor) -> tuple[str, int, bool, s
         parents = [p for node in frontier for p, _ in node.next_functions if p is not None][:8]
         maker = next((recorder.made[p] for p in parents if p in recorder.made), None)
         if maker is not None:
-            return *maker, ", ".join(re.sub(r"Backward\d*$", "", op).lower() for op in reversed(ops))
+            return *maker[:3], ", ".join(re.sub(r"Backward\d*$", "", op).lower() for op in reversed(ops))
         frontier = parents
         ops += [p.name() for p in parents[:1]]
     return None
 
 
-def _source(recorder: UnitRecorder, x: torch.Tensor, output: Any) -> tuple[str, int] | None:
-    """The module with weights whose output ``x`` is, as it came, and its unit count: ``x``'s autograd node, or the
-    one before it where ``x`` is the module's ``output`` too (``nn.ReLU(inplace=True)`` wrote over it)."""
+def _source(recorder: UnitRecorder, x: torch.Tensor, output: Any) -> tuple[str, int, int] | None:
+    """The module with weights whose output ``x`` is, as it came, its unit count and the dimension holding them:
+    ``x``'s autograd node, or the one before it where ``x`` is the module's ``output`` too (``nn.ReLU(inplace=True)``
+    wrote over it)."""
     node = x.grad_fn
     if node is not None and x is output:
         node = node.next_functions[0][0] if node.next_functions else None
     made = recorder.made.get(node) if node is not None else None
-    return (made[0], made[1]) if made is not None and not made[2] else None
+    return (made[0], made[1], made[3]) if made is not None and not made[2] else None
 
 
 def _activated(recorder: UnitRecorder, module: nn.Module, x: torch.Tensor) -> None:

@@ -2609,3 +2609,22 @@ def test_a_sigmoid_classifier_with_sample_weights_as_the_last_tensor_is_not_told
     y = (x @ seeded(8, 1).flip(0) > 0).float().squeeze(1)
     net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1), nn.Sigmoid())
     assert fit(tmp_path, Weighted(net, x, y, F.binary_cross_entropy), steps=60, every=5) == []
+
+
+@pytest.mark.parametrize(("dead", "expected"), [(128, "128 of 128"), (96, "96 of 128"), (0, None)])
+def test_dead_units_of_a_channels_last_activation_after_a_linear_layer_are_counted_by_channel(
+    tmp_path: Path, dead: int, expected: str | None
+) -> None:
+    # ConvNeXt's blocks run their pointwise linear layers and GELU on (batch, height, width, channels): the GELU's
+    # units were counted along the height, "4 of 4 output units" for 128 dead channels, and 96 of them went unnamed.
+    model = convnext()
+    block = model.net.convnext.encoder.stages[1].layers[0]
+    with torch.no_grad():
+        block.pwconv1.bias[:dead] = -50.0  # GELU(x) is 0 for x this low
+    pl.seed_everything(0, verbose=False)
+    found = [f for f in fit(tmp_path, model, steps=20, every=5) if f.check == "dead_units"]
+    if expected is None:
+        assert found == []
+    else:
+        assert found[0].layers[0] == "net.convnext.encoder.stages.1.layers.0.act"
+        assert f"{expected} output units" in found[0].message
