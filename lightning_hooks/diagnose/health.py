@@ -17,8 +17,10 @@ from lightning_hooks.diagnose.checks import (
     FADED,
     FADING,
     MIN_LABELS,
+    PEER_GAP,
     SATURATED,
     SETTLED,
+    SHOWN_LAYERS,
     Evidence,
     Snapshot,
     Thresholds,
@@ -33,12 +35,14 @@ from lightning_hooks.diagnose.checks import (
     giant_steps,
     gradient_spread,
     input_scale,
+    listed,
     mean_gradients,
     no_backward,
     no_learning,
     nonfinite,
     one_class,
     oversized_start,
+    peer_medians,
     rounded_away,
     saturated_layers,
     saturation,
@@ -139,6 +143,7 @@ class HealthTracker:
         self._previous_step = -1
         self._moments = Moments(limits)
         self._reference: dict[str, tuple[float, int]] = {}  # per layer, its output RMS once the run settled
+        self._initial: dict[str, tuple[float, int]] = {}  # per layer, its output RMS at its first check, and when
         self._reference_loss: float | None = None
         self._first_loss: float | None = None  # the median loss of the first logging step
         self._first_gradient: float | None = None  # and its median layer's mean |gradient|
@@ -197,7 +202,7 @@ class HealthTracker:
         persistent += copied_units(snap) if "dead_units" in on else []
         decayed = decayed_away(snap, self._first_weights) if "update_ratio" in on and stuck else []
         persistent += decayed
-        grown = self._activation_growth(snap, settling, learning) if "activation_growth" in on else []
+        grown = self._activation_growth(snap, settling, learning, stuck) if "activation_growth" in on else []
         grown = [] if decayed else grown  # beside the layers the decay shrank, any output looks huge
         if "activation_growth" in on and self._previous_step < 0 and not grown:  # a layer's own leap names itself
             immediate += oversized_start(snap)
@@ -406,11 +411,18 @@ class HealthTracker:
             self._saturated_early |= {n for n, share in snap.saturated.items() if share >= SATURATED}
         return frozenset(snap.saturated) - self._saturated_early if learning else frozenset()
 
-    def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool) -> list[Evidence]:
+    def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool, stuck: bool) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
-        settled (see :meth:`_settle`) while the loss did not fall since."""
+        settled (see :meth:`_settle`) while the loss did not fall since. And, in one finding, the layers whose
+        parameter group has :data:`PEER_GAP` times its peers' learning rate and whose output reached an RMS of a tenth
+        of ``activation_growth``, that many times above every layer before it or its own at its first check, while the
+        loss is stuck (a transformer block at a hundredfold AdamW rate: outputs of RMS 100-500 where they started at
+        1, and the loss at chance; a head drawn small that a tenfold rate grows to unit scale stays below)."""
         limit = self.limits.activation_growth
+        lrs = {name: lr for name, lr in snap.lrs.items() if math.isfinite(lr)}
+        peers = peer_medians(lrs) if stuck and lrs else {}
         found = []
+        fast: list[tuple[str, float, str]] = []  # of a fast group, grown: the layer, how many times, and how said
         top = 0.0
         for name in snap.order:
             state = snap.activations.get(name)
@@ -419,9 +431,11 @@ class HealthTracker:
             rms = state_rms(state)
             if settling:
                 self._reference.setdefault(name, (rms, snap.step))
+            initial = self._initial.setdefault(name, (rms, snap.step))
             first, since = self._reference.get(name, (0.0, snap.step))
             depth = rms / top if top > 0 else 0.0
             time = rms / first if first > 0 and not learning else 0.0
+            top = max(top, rms)
             if depth >= limit or time >= limit:
                 how = (
                     f"{depth:.0f} times that of every layer before it"
@@ -433,8 +447,31 @@ class HealthTracker:
                     f"way; try normalization layers, a smaller initialisation or a lower learning rate."
                 )
                 found.append(Evidence("activation_growth", (label(name),), max(depth, time), limit, said))
-            top = max(top, rms)
+            elif name in peers and lrs[name] >= PEER_GAP * peers[name] and rms >= limit / PEER_GAP:
+                since_start = rms / initial[0] if initial[0] > 0 else 0.0
+                if max(depth, since_start) >= limit / PEER_GAP:
+                    how = (
+                        f"{depth:.0f} times that of every layer before it"
+                        if depth >= since_start
+                        else f"{since_start:.0f} times what it was at step {initial[1]}"
+                    )
+                    fast.append((name, max(depth, since_start), f"`{label(name)}`: an RMS of {rms:.3g}, {how}"))
+        if fast:
+            name = fast[0][0]
+            said = listed([n for n, _, _ in fast]) + (
+                f" give outputs far above their start while the loss is not down by half ({fast[0][2]}): their "
+                f"parameter group's learning rate, {lrs[name]:.0e}, is ten times or more its peers' "
+                f"({peers[name]:.0e}), too high for them; lower it."
+            )
+            layers = tuple(label(n) for n, _, _ in fast[:SHOWN_LAYERS])
+            found.append(
+                Evidence("activation_growth", layers, max(g for _, g, _ in fast), limit / PEER_GAP, said, group=FAST)
+            )
         return found
+
+
+FAST = "grown in a fast group"
+"""The group of ``activation_growth``'s finding over the layers of a parameter group whose learning rate grew them."""
 
 
 def _key(e: Evidence) -> tuple[str, tuple[str, ...]]:

@@ -2628,3 +2628,63 @@ def test_dead_units_of_a_channels_last_activation_after_a_linear_layer_are_count
     else:
         assert found[0].layers[0] == "net.convnext.encoder.stages.1.layers.0.act"
         assert f"{expected} output units" in found[0].message
+
+
+class FastGroup(Fit):
+    """``Fit`` under AdamW whose parameters named by ``fast`` (a prefix) get ``factor`` times the learning rate."""
+
+    def __init__(self, *args: Any, fast: str, factor: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fast, self.factor = fast, factor
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        named = list(self.net.named_parameters())
+        fast = [p for n, p in named if n.startswith(self.fast)]
+        slow = [p for n, p in named if not n.startswith(self.fast)]
+        return torch.optim.AdamW([{"params": slow}, {"params": fast, "lr": self.lr * self.factor}], lr=self.lr)
+
+
+def copying_gpt2(fast: str, factor: float) -> FastGroup:
+    config = transformers.GPT2Config(vocab_size=32, n_embd=64, n_layer=3, n_head=2, n_positions=32)
+    net = transformers.GPT2LMHeadModel(config)
+    half = torch.randint(0, 32, (512, 8), generator=torch.Generator().manual_seed(0))
+    x = torch.cat([half, half], 1)  # the second half copies the first: 0.96 of it right after 200 steps
+    return FastGroup(net, x, x, lambda m, x, y: m(input_ids=x, labels=y).loss, fast=fast, factor=factor)
+
+
+def bert_with_a_fast_head() -> FastGroup:
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, intermediate_size=128,
+        num_labels=2, max_position_embeddings=32,
+    )  # fmt: skip
+    net = transformers.BertForSequenceClassification(config)
+    x = torch.randint(0, 64, (1024, 16), generator=torch.Generator().manual_seed(0))
+    y = (x == 3).any(1).long()  # learnt to a loss of 2e-4 in 300 steps with the head at 100x
+    return FastGroup(net, x, y, labelled(net, "input_ids"), fast="classifier.", factor=100.0, lr=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (
+            partial(copying_gpt2, "transformer.h.1.", 100.0),
+            ("net.transformer.h.1.attn.c_proj", "net.transformer.h.1.mlp.c_proj"),
+        ),
+        (partial(copying_gpt2, "transformer.h.1.", 1.0), None),
+        (bert_with_a_fast_head, None),
+    ],
+    ids=["a block at 100x", "one rate", "a classifier head at 100x"],
+)
+def test_a_block_at_a_hundredfold_adamw_rate_that_blows_up_its_outputs_is_named(
+    tmp_path: Path, build: Callable[[], FastGroup], expected: tuple[str, ...] | None
+) -> None:
+    # One GPT-2 block in its own AdamW group at 100x the rate (0.1 against 1e-3): its outputs grow from RMS 1 to
+    # 100-500, the loss stays at chance (3.46 -> 3.32, 0.05 of the copies right against 0.96 at one rate), and nothing
+    # was named (its update ratio, 0.01-0.03 from step 10, is under the range's 0.1). A head at 100x that learns is not.
+    pl.seed_everything(0, verbose=False)
+    found = fit(tmp_path, build(), steps=40, every=5)
+    if expected is None:
+        assert found == []
+    else:
+        assert [(f.check, f.layers) for f in found] == [("activation_growth", expected)]
+        assert "is ten times or more its peers' (1e-03), too high for them; lower it." in found[0].message

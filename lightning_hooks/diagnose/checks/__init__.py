@@ -28,6 +28,8 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Evidence,
     Snapshot,
     Thresholds,
+    listed,
+    peer_medians,
 )
 from lightning_hooks.diagnose.checks.stalls import STEPLESS, cut_off, no_backward, no_learning, stepless, zero_loss
 from lightning_hooks.diagnose.checks.units import (
@@ -39,11 +41,19 @@ from lightning_hooks.diagnose.checks.units import (
     saturation,
     silent_units,
 )
-from lightning_hooks.diagnose.checks.updates import FADED, decayed_away, rounded_away, unoptimized, update_ratio
+from lightning_hooks.diagnose.checks.updates import (
+    FADED,
+    PEER_GAP,
+    decayed_away,
+    rounded_away,
+    unoptimized,
+    update_ratio,
+)
 
 __all__ = [
     "CONVERGED",
     "FADED",
+    "PEER_GAP",
     "FADING",
     "SATURATED",
     "SETTLED",
@@ -52,6 +62,8 @@ __all__ = [
     "Evidence",
     "Snapshot",
     "Thresholds",
+    "listed",
+    "peer_medians",
     "absent_inputs",
     "carried",
     "clipped_away",
