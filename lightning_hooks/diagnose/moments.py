@@ -173,9 +173,10 @@ class Moments:
     def spikes(self, snap: Snapshot, left_out: frozenset[str], judged: bool = True) -> list[Evidence]:
         """Each step since the last logging step whose loss lies ``spike_threshold`` robust deviations above the
         rolling median as it stood then, and :data:`SPIKE_TAIL` times further above it than the highest settled loss
-        of the window; a spike on the step right after another extends that finding. The layers ``left_out`` (their
-        ``.grad`` only grows) are not named. Unless ``judged``, the losses are only kept (batches of a few samples,
-        where one hard sample is the batch's loss)."""
+        of the window, unless the step ran a part of the model the steps before it did not (:meth:`_new_path`); a
+        spike on the step right after another extends that finding. The layers ``left_out`` (their ``.grad`` only
+        grows) are not named. Unless ``judged``, the losses are only kept (batches of a few samples, where one hard
+        sample is the batch's loss)."""
         found = []
         level = self._level()
         highest = max((loss for step, loss in self._losses if step >= SETTLED), default=-math.inf)
@@ -187,6 +188,8 @@ class Moments:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
+                    if self._new_path(norms):
+                        continue  # another kind of batch (a rare task's head ran): its loss is not this level's
                     spike = self._spike(step, loss, median, z, norms, snap.norm_layers, left_out)
                     if self._last_spike is not None and self._last_spike[0] == step - 1:  # its finding, extended
                         spike = replace(spike, layers=self._last_spike[1].layers)
@@ -198,6 +201,16 @@ class Moments:
             if norms:
                 self._loss_norms.append(norms)
         return found
+
+    def _new_path(self, norms: list[float]) -> bool:
+        """Whether a parameter has a gradient in the step of gradient ``norms`` but had none at most of the steps kept
+        before (a task's head that runs on its own rare batches of a multi-task fit, a branch): the batch is of another
+        kind than those, and its loss is not judged against theirs."""
+        return any(
+            norm > 0 and statistics.median(past) == 0
+            for j, norm in enumerate(norms)
+            if (past := [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])])
+        )
 
     def halfway(self) -> float | None:
         """The loss half-way from the rolling median to a spike (``None`` before there is a history): a step whose
