@@ -464,6 +464,7 @@ class HealthMonitor(StatsCallback):
             backwards=self._backwards,
             automatic=trainer.lightning_module.automatic_optimization,
             clip=_clipping(trainer),
+            stepwise=any(config.interval == "step" for config in trainer.lr_scheduler_configs),
             skipped_at_scale=scale if overflow > 0 else None,
             grads=layer_gradients(fetched, self._grad_names, self._layers),
             ratios=ratios,

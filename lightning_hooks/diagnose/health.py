@@ -101,7 +101,8 @@ class HealthFinding:
 
     Attributes:
         check: One of :data:`CHECKS`.
-        layers: Qualified module names (``root`` for the LightningModule), worst first.
+        layers: Qualified module names (``root`` for the LightningModule), worst first; up to three (the message
+            says how many more).
         step: The optimizer step where it was first seen (``trainer.global_step`` while that batch ran).
         last_step: The latest step where it still held.
         value: The evidence (its meaning depends on the check: a share, a ratio, a count, a z-score).

@@ -812,6 +812,27 @@ def test_a_warm_up_from_zero_stepped_once_per_epoch_is_named_as_a_learning_rate_
     assert '"interval": "step"' in found[0].message
 
 
+class ShortSchedule(Fit):
+    """AdamW under a linear warm-up of 1 step and decay to 0 by step 3 (``num_training_steps`` counted in epochs),
+    stepped every step."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        ends = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, min(step, 3 - step) / 1.5))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": ends, "interval": "step"}}
+
+
+def test_a_schedule_stepped_every_step_that_ended_before_the_fit_is_named_as_such(tmp_path: Path) -> None:
+    # A BERT recipe's `get_linear_schedule_with_warmup(optimizer, 1, 3)`, its length counted in epochs, stepped every
+    # step: 0 at every logging step. The message told the user to return `"interval": "step"`, which the recipe did.
+    pl.seed_everything(0, verbose=False)
+    classes = classification(mlp(nn.ReLU(), nn.Linear(16, 3)))
+    found = fit(tmp_path, ShortSchedule(classes.net, classes.x, classes.y, classes.loss), steps=30)
+    assert [(f.check, f.layers[0], f.step) for f in found] == [("update_ratio", "net.0", 10)]
+    assert "`self.trainer.estimated_stepping_batches`" in found[0].message
+    assert '"interval": "step"' not in found[0].message
+
+
 def test_a_parameter_group_held_at_a_learning_rate_of_zero_beside_one_that_learns_is_not_named(tmp_path: Path) -> None:
     # A rate of exactly 0 for one group is a freeze written on purpose. Before, it was told its rate was a tenth or
     # less of its peers' and to raise it.

@@ -98,6 +98,7 @@ class Snapshot:
     backwards: int = 1  # backward passes since the previous logging step, its own included
     automatic: bool = True  # Lightning's automatic optimization (else the user calls backward and step)
     clip: tuple[str, float] | None = None  # Lightning's gradient clipping: its algorithm (norm, value) and value
+    stepwise: bool = False  # a learning-rate scheduler Lightning steps every optimizer step (`"interval": "step"`)
     skipped_at_scale: float | None = None  # a GradScaler skipped the step, its gradients overflowing: its new scale
     pruned: dict[str, list[bool]] = field(default_factory=dict)  # per pruned layer, the output units it pruned away
     channelwise: frozenset[str] = frozenset()  # layers that keep each channel apart (batch norm)

@@ -87,12 +87,19 @@ def update_ratio(
     }
     lrs = {name: lr for name, lr in snap.lrs.items() if name in judged and math.isfinite(lr)}
     if judged and all(lrs.get(name) == 0 for name in judged) and not (converged or scheduled.intersection(judged)):
-        said = (
-            "the learning rate is 0 in every parameter group: no weight changes. A warmup scheduler that starts at 0 "
-            'and is stepped once per epoch (Lightning\'s default, `"interval": "epoch"`) stays at 0 for the whole '
-            'first epoch; return `{"scheduler": ..., "interval": "step"}` from `configure_optimizers`, or start the '
-            "warmup above 0."
-        )
+        said = "the learning rate is 0 in every parameter group: no weight changes. "
+        if snap.stepwise:  # stepped every step already: a schedule that ended before the fit
+            said += (
+                "A scheduler stepped every optimizer step holds it there: its length (`num_training_steps`, "
+                "`T_max`, `total_steps`) is shorter than the fit, counted in epochs rather than steps? Size it "
+                "by `self.trainer.estimated_stepping_batches`."
+            )
+        else:
+            said += (
+                "A warmup scheduler that starts at 0 and is stepped once per epoch (Lightning's default, "
+                '`"interval": "epoch"`) stays at 0 for the whole first epoch; return `{"scheduler": ..., "interval": '
+                '"step"}` from `configure_optimizers`, or start the warmup above 0.'
+            )
         layers = tuple(label(name) for name in list(judged)[:SHOWN_LAYERS])
         return [Evidence("update_ratio", layers, 0.0, limits.update_ratio_low, said)]
     lr_peers = peer_medians(lrs) if lrs else {}
