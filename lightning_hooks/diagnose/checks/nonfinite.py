@@ -11,6 +11,7 @@ from lightning_hooks.diagnose.checks.snapshot import (
     Evidence,
     Snapshot,
     Thresholds,
+    listed,
 )
 from lightning_hooks.stats.state import State
 
@@ -64,9 +65,11 @@ def nonfinite(snap: Snapshot, limits: Thresholds) -> list[Evidence]:
         said = (
             f"the output of `{label(layers[0])}`{made} holds NaN/Inf values (the first of {len(layers)} to hold them)"
         )
-        if not math.isfinite(snap.weights.get(layers[0], 0.0)):
+        spoilt = [name for name in snap.order if not math.isfinite(snap.weights.get(name, 0.0))]
+        if spoilt:  # its own, or those of a layer it shares them with (a tied embedding and output layer)
+            whose = "its weights" if layers[0] in spoilt else f"the weights of {listed(spoilt)}"
             said += (
-                ", and so do its weights: an optimizer step before this one applied NaN/Inf gradients to them, and "
+                f", and so do {whose}: an optimizer step before this one applied NaN/Inf gradients to them, and "
                 "every output since carries them (the finding's first step is the first whose loss was NaN/Inf)"
             )
     elif grads:
