@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import health_cases
 from lightning_hooks import HealthFinding, HealthMonitor
-from tests.support.helpers import ScaleLog, fp16, make_trainer
+from tests.support.helpers import NaNWeight, ScaleLog, fp16, make_trainer
 from tests.support.pretrained import THIRD_PARTY, third_party
 from tests.support.zoo import MaskedClasses
 
@@ -2711,25 +2711,13 @@ def test_a_block_at_a_hundredfold_adamw_rate_that_blows_up_its_outputs_is_named(
         assert "is ten times or more its peers' (1e-03), too high for them; lower it." in found[0].message
 
 
-class SpoilAt(pl.Callback):
-    """Writes NaN into one weight of the module ``path`` before optimizer step ``step`` runs its batch."""
-
-    def __init__(self, path: str, step: int) -> None:
-        self.path, self.step = path, step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                pl_module.get_submodule(self.path).weight.view(-1)[0] = math.nan
-
-
 def test_nan_weights_of_a_tied_embedding_are_said_to_be_spoilt_by_a_step(tmp_path: Path) -> None:
     # NaN written into a GPT-2 block's weight at step 7 spreads to every weight at that step's optimizer step; at
     # step 10 the first NaN output is the token embedding's, whose weight is tied to the output layer's. The message
     # said the embedding made the NaN ("a division by zero, a log or sqrt") and left out that its weights hold NaN.
     pl.seed_everything(0, verbose=False)
     found = fit(
-        tmp_path, copying_gpt2("none", 1.0), steps=12, every=5, also=[SpoilAt("net.transformer.h.1.mlp.c_fc", 7)]
+        tmp_path, copying_gpt2("none", 1.0), steps=12, every=5, also=[NaNWeight("net.transformer.h.1.mlp.c_fc", at=7)]
     )
     [nonfinite] = [f for f in found if f.check == "nonfinite"]
     assert nonfinite.layers[0] == "net.transformer.wte"

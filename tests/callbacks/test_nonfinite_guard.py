@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_hooks import NonFiniteError, NonFiniteGuard
 from lightning_hooks.callbacks.nonfinite_guard import SKIPPED_TAG, TEXT_TAG
-from tests.support.helpers import TinyNet, events, hook_state, make_trainer, scalars, texts
+from tests.support.helpers import NaNWeight, TinyNet, events, hook_state, make_trainer, scalars, texts
 from tests.support.pretrained import third_party
 from tests.support.zoo import MaskedClasses, ResNetish, ZooModule
 from tests.unit.test_finite_core import BadBackward, Log, NaNGrad
@@ -354,18 +354,6 @@ def test_the_model_pickles_while_the_eager_hooks_are_on(tmp_path: Path) -> None:
 def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         NonFiniteGuard(**kwargs)
-
-
-class NaNWeight(pl.Callback):
-    """Sets one value of ``module``'s weight to NaN as step ``at`` begins."""
-
-    def __init__(self, module: str, at: int) -> None:
-        self.module, self.at = module, at
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self.at:
-            with torch.no_grad():
-                pl_module.get_submodule(self.module).weight.view(-1)[0] = float("nan")
 
 
 @pytest.mark.parametrize(

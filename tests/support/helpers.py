@@ -83,6 +83,18 @@ class Probe(pl.Callback):
         setattr(self, hook, lambda trainer, pl_module, *args: self.seen.append(look(trainer, pl_module, *args)))
 
 
+class NaNWeight(pl.Callback):
+    """Sets one value of ``module``'s weight to NaN as step ``at`` begins."""
+
+    def __init__(self, module: str, at: int) -> None:
+        self.module, self.at = module, at
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.get_submodule(self.module).weight.view(-1)[0] = float("nan")
+
+
 class ScaleLog(pl.Callback):
     """The GradScaler's scale after each optimizer step, in ``scales``."""
 
