@@ -75,7 +75,7 @@ class HealthMonitor(StatsCallback):
     * ``exploding_gradients``: the gradient norm rising steadily ``norm_growth``-fold, or one SGD step moving a
       layer by 1,000 times its weights.
     * ``update_ratio``: ``||Δw|| / ||w||`` outside ``[update_ratio_low, update_ratio_high]`` (above it only for a
-      parameter group at ten times its peers' learning rate; below it only while the learning rate is at its peak:
+      parameter group at ten times its peers' SGD rate; below it only while the learning rate is at its peak:
       a warm-up or decay makes small steps by design).
     * ``activation_growth``: an output RMS ``activation_growth`` times the layers' before it, or its own.
     * ``nonfinite``: NaN/Inf in an output, a gradient or the loss (and what a :class:`NonFiniteGuard` found);

@@ -46,16 +46,18 @@ def update_ratio(
     fading: Sequence[str] = (),
 ) -> list[Evidence]:
     """Layers whose ``||Δw|| / ||w||`` lies outside ``[update_ratio_low, update_ratio_high]``; above it only when their
-    parameter group's learning rate is :data:`PEER_GAP` times the peers' (see :func:`peer_medians`): a large step alone
-    is a rate the model may take (a one-hidden-layer MLP on digits under plain SGD at 1.0 moves each layer by 10-40 % a
-    step and fits best there, GPT-2 under ASGD at 0.5 ends lower than at 0.15), and a rate too high for the model shows
-    as dying units, loss spikes, exploding gradients or NaN, which those checks name. Below it, under an adaptive
-    optimizer, only when the median layer is below it too, or when their group's learning rate is :data:`PEER_GAP` times
-    below the peers': there a layer's ratio is about the learning rate over its weights' RMS whatever its gradient, so
-    norm gains (about 1) are the first below the range (at DPO's 5e-7 they alone are, while every other layer moves by
-    some 1e-5 of its norm a step); under SGD the ratio follows the gradient, and a layer alone below the range has lost
-    it, unless a layer that runs before it (but embedding tables) learns within the range: a gradient that reached those
-    was not lost on the way to it (an attention's queries and keys get little while it is near uniform).
+    parameter group's learning rate is :data:`PEER_GAP` times the peers' (see :func:`peer_medians`) and the optimizer
+    is not adaptive: a large step alone is a rate the model may take (a one-hidden-layer MLP on digits under plain SGD
+    at 1.0 moves each layer by 10-40 % a step and fits best there, GPT-2 under ASGD at 0.5 ends lower than at 0.15), a
+    rate too high for the model shows as dying units, loss spikes, exploding gradients or NaN, which those checks name,
+    and under Adam a group's ratio is its learning rate over its weights' RMS whatever the gradient (a BERT head and
+    pooler at 100 times the body's AdamW rate sit at 0.10-0.16 in runs that learn and in runs that do not). Below it,
+    under an adaptive optimizer, only when the median layer is below it too, or when their group's learning rate is
+    :data:`PEER_GAP` times below the peers': there norm gains (about 1) are the first below the range (at DPO's 5e-7
+    they alone are, while every other layer moves by some 1e-5 of its norm a step); under SGD the ratio follows the
+    gradient, and a layer alone below the range has lost it, unless a layer that runs before it (but embedding tables)
+    learns within the range: a gradient that reached those was not lost on the way to it (an attention's queries and
+    keys get little while it is near uniform).
 
     Step 0, layers in ``skip`` (started at zero by design, or behind a scale that did) and layers under an adaptive
     optimizer before step :data:`SETTLED` (its first steps move every weight by the learning rate) are not judged;
@@ -127,7 +129,7 @@ def update_ratio(
             continue  # a group's learning rate set to 0 while its peers learn: frozen on purpose
         alone = name in snap.adaptive and not (everywhere or slower)  # see above
         below = ratio < limits.update_ratio_low and not alone
-        if ratio > limits.update_ratio_high and faster:
+        if ratio > limits.update_ratio_high and faster and name not in snap.adaptive:
             threshold = limits.update_ratio_high
             said = (
                 f"by {ratio:.1e} of their norm (healthy: about 1e-3 to 1e-2): its parameter group's learning rate, "
