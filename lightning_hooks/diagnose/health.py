@@ -414,11 +414,13 @@ class HealthTracker:
 
     def _activation_growth(self, snap: Snapshot, settling: bool, learning: bool, stuck: bool) -> list[Evidence]:
         """Output RMS ``activation_growth`` times that of every layer that ran before it, or of its own once the run
-        settled (see :meth:`_settle`) while the loss did not fall since. And, in one finding, the layers whose
-        parameter group has :data:`PEER_GAP` times its peers' learning rate and whose output reached an RMS of a tenth
-        of ``activation_growth``, that many times above every layer before it or its own at its first check, while the
-        loss is stuck (a transformer block at a hundredfold AdamW rate: outputs of RMS 100-500 where they started at
-        1, and the loss at chance; a head drawn small that a tenfold rate grows to unit scale stays below)."""
+        settled (see :meth:`_settle`) while the loss did not fall since, but for a layer whose weights started at zero
+        (LoRA's B: under a warm-up its output at step 10 is a thousandth of where it goes). And, in one finding, the
+        layers whose parameter group has :data:`PEER_GAP` times its peers' learning rate and whose output reached an RMS
+        of a tenth of ``activation_growth``, that many times above every layer before it or its own at its first check,
+        while the loss is stuck (a transformer block at a hundredfold AdamW rate: outputs of RMS 100-500 where they
+        started at 1, and the loss at chance; a head drawn small that a tenfold rate grows to unit scale stays
+        below)."""
         limit = self.limits.activation_growth
         lrs = {name: lr for name, lr in snap.lrs.items() if math.isfinite(lr)}
         peers = peer_medians(lrs) if stuck and lrs else {}
@@ -435,7 +437,7 @@ class HealthTracker:
             initial = self._initial.setdefault(name, (rms, snap.step))
             first, since = self._reference.get(name, (0.0, snap.step))
             depth = rms / top if top > 0 else 0.0
-            time = rms / first if first > 0 and not learning else 0.0
+            time = rms / first if first > 0 and not learning and name not in self._zero_start else 0.0
             top = max(top, rms)
             if depth >= limit or time >= limit:
                 how = (

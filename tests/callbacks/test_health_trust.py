@@ -2722,6 +2722,38 @@ def test_a_head_at_a_hundredfold_adamw_rate_is_not_told_to_lower_it(tmp_path: Pa
     assert [f.message for f in found if f.check == "update_ratio"] == []
 
 
+class CubicWarmUp(Fit):
+    """``Fit`` under AdamW of the parameters that train, warmed up from 0 as the cube of the share of 100 steps."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
+        warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, ((step + 1) / 100) ** 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warm_up, "interval": "step"}}
+
+
+def test_the_output_of_lora_b_growing_from_zero_is_not_activation_growth(tmp_path: Path) -> None:
+    # A Hugging Face recipe logging every step (LoRA on BERT's query and value, a 30-step warm-up): `lora_B`'s output
+    # at step 10, the reference for its own growth, was a thousandth of where it went (1.71, 1,128 times), and the
+    # loss had not yet fallen: "the next overflow is on its way", in a run that learnt. B starts at zero, and its
+    # output grows from nothing by design. Here a slower warm-up, on labels not learnt, gives 1,600-2,700 times.
+    peft = pytest.importorskip("peft")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, num_labels=2,
+    )  # fmt: skip
+    lora = peft.LoraConfig(
+        task_type=peft.TaskType.SEQ_CLS, r=8, lora_alpha=16, target_modules=["query", "value"],
+        modules_to_save=["classifier"],
+    )  # fmt: skip
+    pl.seed_everything(0, verbose=False)
+    net = peft.get_peft_model(transformers.BertForSequenceClassification(config), lora)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(5, 64, (4096, 16), generator=generator)
+    y = torch.randint(0, 2, (4096,), generator=generator)
+    found = fit(tmp_path, CubicWarmUp(net, x, y, labelled(net, "input_ids"), lr=2e-3), steps=120, every=5)
+    assert [f.message for f in found if f.check == "activation_growth"] == []
+
+
 def test_nan_weights_of_a_tied_embedding_are_said_to_be_spoilt_by_a_step(tmp_path: Path) -> None:
     # NaN written into a GPT-2 block's weight at step 7 spreads to every weight at that step's optimizer step; at
     # step 10 the first NaN output is the token embedding's, whose weight is tied to the output layer's. The message
