@@ -60,9 +60,11 @@ class Moments:
         layers ``left_out`` (their ``.grad`` only grows: no optimizer steps it, or nothing zeroes it). Logging steps
         are counted from the first after step 0: a gradient may start a hundred times below its working level (a
         contrastive loss over embeddings that all start alike: SimCLR's grows from 0.03 to 1.7 in 50 steps, then
-        stays within 1.6-6.2)."""
+        stays within 1.6-6.2). A step that ran a part of the model the steps before it did not (:meth:`_new_path`: a
+        rare task's head, whose gradient is 100-250 times a converged main task's) is no step of a rise."""
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
+        other = False  # a step of another kind of batch was left out
         unbounded = self._unbounded(snap)
         pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
@@ -71,6 +73,10 @@ class Moments:
                 continue
             layer_norms = next(pooled)
             total = math.hypot(*layer_norms.values())
+            if math.isfinite(total) and self._new_path(norms):
+                self._step_norms.clear()
+                other = True
+                continue
             if math.isfinite(total):
                 steps.append(layer_norms)
                 self._step_norms.append((step, layer_norms))
@@ -80,6 +86,8 @@ class Moments:
             found += self._grew(run, "steps in a row, then overflowed", snap.clip, unbounded, True)
         if steps:
             level = {n: statistics.median(row[n] for row in steps) for n in steps[0]}
+        elif other:
+            return found[:1]  # every step since the last logging step was of another kind
         else:
             level = _per_layer_of(snap, left_out)
         if level and all(math.isfinite(v) for v in level.values()):
