@@ -51,6 +51,7 @@ class Moments:
         self._kept = 0  # losses kept so far: the level below was taken when there were as many
         self._level_at: tuple[int, tuple[float, float]] | None = None
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
+        self._zero_norms = 0  # of the norms kept, how many are exactly 0 (a parameter without a gradient in its step)
         self._start: tuple[float, dict[str, float]] | None = None  # the first step's loss and layers' gradient norms
         self._diverged = False
 
@@ -65,6 +66,7 @@ class Moments:
         found: list[Evidence] = []
         steps: list[dict[str, float]] = []
         other = False  # a step of another kind of batch was left out
+        absent = self._absent()
         unbounded = self._unbounded(snap)
         pooled = iter(_per_layer([norms for norms in snap.norms if norms], snap.norm_layers, left_out))
         for (step, _), norms in zip(snap.losses, snap.norms, strict=False):
@@ -73,7 +75,7 @@ class Moments:
                 continue
             layer_norms = next(pooled)
             total = math.hypot(*layer_norms.values())
-            if math.isfinite(total) and self._new_path(norms):
+            if math.isfinite(total) and self._new_path(norms, absent):
                 self._step_norms.clear()
                 other = True
                 continue
@@ -196,7 +198,7 @@ class Moments:
                 median, scale = level
                 z = (loss - median) / scale
                 if z > self.limits.spike_threshold and loss - median >= SPIKE_TAIL * (highest - median):
-                    if self._new_path(norms):
+                    if self._new_path(norms, self._absent()):
                         continue  # another kind of batch (a rare task's head ran): its loss is not this level's
                     spike = self._spike(step, loss, median, z, norms, snap.norm_layers, left_out)
                     if self._last_spike is not None and self._last_spike[0] == step - 1:  # its finding, extended
@@ -207,18 +209,31 @@ class Moments:
             self._losses.append((step, loss))
             self._kept += 1
             if norms:
+                if len(self._loss_norms) == self._loss_norms.maxlen:
+                    self._zero_norms -= self._loss_norms[0].count(0.0)
                 self._loss_norms.append(norms)
+                self._zero_norms += norms.count(0.0)
         return found
 
-    def _new_path(self, norms: list[float]) -> bool:
-        """Whether a parameter has a gradient in the step of gradient ``norms`` but had none at most of the steps kept
-        before (a task's head that runs on its own rare batches of a multi-task fit, a branch): the batch is of another
-        kind than those, and its loss is not judged against theirs."""
-        return any(
-            norm > 0 and statistics.median(past) == 0
-            for j, norm in enumerate(norms)
+    def _absent(self) -> list[int]:
+        """The parameters (their places in a step's gradient norms) that had no gradient at most of the steps kept;
+        none, at once, when every kept norm is above 0."""
+        if not self._zero_norms:
+            return []
+        width = max(len(row) for row in self._loss_norms)
+        return [
+            j
+            for j in range(width)
             if (past := [row[j] for row in self._loss_norms if j < len(row) and math.isfinite(row[j])])
-        )
+            and statistics.median(past) == 0
+        ]
+
+    @staticmethod
+    def _new_path(norms: list[float], absent: list[int]) -> bool:
+        """Whether a parameter has a gradient in the step of gradient ``norms`` but had none at most of the steps kept
+        before (``absent``; a task's head that runs on its own rare batches of a multi-task fit, a branch): the batch is
+        of another kind than those, and its loss is not judged against theirs, nor its gradient as a step of a rise."""
+        return any(norms[j] > 0 for j in absent if j < len(norms))
 
     def halfway(self) -> float | None:
         """The loss half-way from the rolling median to a spike (``None`` before there is a history): a step whose
