@@ -75,13 +75,13 @@ class Moments:
                 continue
             layer_norms = next(pooled)
             total = math.hypot(*layer_norms.values())
-            if math.isfinite(total) and self._new_path(norms, absent):
-                self._step_norms.clear()
-                other = True
-                continue
             if math.isfinite(total):
-                steps.append(layer_norms)
-                self._step_norms.append((step, layer_norms))
+                if self._new_path(norms, absent):  # another kind of batch: it breaks the run of steps
+                    self._step_norms.clear()
+                    other = True
+                else:
+                    steps.append(layer_norms)
+                    self._step_norms.append((step, layer_norms))
                 continue
             run = list(self._step_norms) + ([(step, layer_norms)] if math.isinf(total) else [])
             self._step_norms.clear()
