@@ -106,6 +106,7 @@ class _Guarded(MemTracker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.failure: BaseException | None = None
+        self._fake_mode_on_entry: Any = None  # torch 2.13's __enter__ sets it; before 2.13 nothing does (eager: None)
         self._by_name: dict[str, list[Any]] = {}  # each module's stats, by its name
         self._indexed = 0  # how many of ``memory_tracking`` are in ``_by_name``
         self._high: tuple[Any, dict[torch.device, int]] = (None, {})  # the peak state, the most seen since, by device
@@ -196,9 +197,9 @@ class _Guarded(MemTracker):
         if func is _WAIT_TENSOR:
             return super().__torch_dispatch__(func, types, args, kwargs)  # torch's own case for fake collectives
         out = func(*args, **(kwargs or {}))
-        if active_fake_mode() is not self._fake_mode_on_entry:
-            return out  # DTensor's sharding propagation, not memory of the step
         try:
+            if active_fake_mode() is not self._fake_mode_on_entry:
+                return out  # DTensor's sharding propagation, not memory of the step
             backward = self._mod_tracker.is_bw
             if self._in_opt:
                 reftype = _MemRefType.OPT

@@ -22,6 +22,7 @@ from examples.encoder import EncoderLM
 from examples.transformer import TokenDataModule
 from lightning_hooks import MemoryLogger
 from lightning_hooks.cli import main
+from lightning_hooks.recorders import memory
 from tests.support.helpers import CUDA, Probe, TinyNet, hook_state, make_trainer, scalars, texts
 from tests.support.pretrained import THIRD_PARTY, Pretrained, language_model_loss, third_party
 
@@ -322,6 +323,22 @@ def test_a_tracker_failure_warns_once_and_training_goes_on(tmp_path: Path) -> No
         trainer.fit(TwoViews())
     assert sum("MemoryLogger` could not record" in str(w.message) for w in seen) == 1
     assert trainer.global_step == 4
+    assert logger.rows == []
+
+
+def test_a_failure_of_the_bookkeeping_after_an_operation_warns_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What torch before 2.13 did to every operation (its tracker lacked an attribute read there), planted here.
+    def broken() -> None:
+        raise AttributeError("planted: no fake mode recorded on entry")
+
+    monkeypatch.setattr(memory, "active_fake_mode", broken)
+    logger = MemoryLogger()
+    trainer = make_trainer(tmp_path, [logger], logger=False, max_steps=3)
+    with pytest.warns(UserWarning, match=r"`MemoryLogger` could not record step 1: .*planted"):
+        trainer.fit(TinyNet())
+    assert trainer.global_step == 3
     assert logger.rows == []
 
 
