@@ -36,7 +36,9 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
 6. **Where a logging step's host time goes** (``profile``): cProfile over two logging steps of all six,
    eager, into ``profile.txt``.
 
-``--modes`` and ``--sections`` pick what runs.
+``--modes`` and ``--sections`` pick what runs. Every eager section runs before the compiled ones, and each fit prints
+its name as it starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack once that many
+seconds in (``gpu.sh``: just before its time limit), so a run cut short says where it was.
 
 Figures go to ``docs/performance.md`` with the card and the date, never into docstrings.
 """
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import faulthandler
 import gc
 import io
 import json
@@ -236,6 +239,17 @@ def trainer(root: Path, callbacks: list[pl.Callback], steps: int, every: int, **
     )
 
 
+def fit(module: GPT2, root: Path, callbacks: list[pl.Callback], steps: int, every: int) -> None:
+    """``trainer(...).fit(module)``, saying which fit starts and how long it took: a run cut short shows where."""
+    label = "/".join(root.parts[-3:])
+    print(f"  {label} ...", flush=True)
+    start = time.perf_counter()
+    try:
+        trainer(root, callbacks, steps, every).fit(module)
+    finally:
+        print(f"  {label}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
 class Results:
     """Everything measured, written to ``gpu.json`` after each section."""
 
@@ -292,7 +306,7 @@ def step_times(
                     clock = Clock(warmup, EVERY)
                     where = root / mode / name.replace(" ", "_").replace(",", "") / str(r)
                     torch._dynamo.utils.counters.clear()
-                    trainer(where, [clock, *VARIANTS[name]()], steps, EVERY).fit(module)
+                    fit(module, where, [clock, *VARIANTS[name]()], steps, EVERY)
                     if mode == "compiled":  # what dynamo did during this fit: graphs made, breaks and why
                         counters = torch._dynamo.utils.counters
                         found.setdefault("dynamo", {}).setdefault(name, []).append(
@@ -324,7 +338,7 @@ def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None
             for name in names:
                 clock = Clock(0, 1)
                 where = root / "logging" / mode / name.replace(" ", "_").replace(",", "")
-                trainer(where, [clock, *LOGGING_VARIANTS[name]()], steps, every).fit(module)
+                fit(module, where, [clock, *LOGGING_VARIANTS[name]()], steps, every)
                 times = [(s, ms) for s, ms in clock.step_ms() if s >= WARMUP]
                 logging = [ms for s, ms in times if s % every == 0]
                 quiet = [ms for s, ms in times if s % every]
@@ -358,7 +372,7 @@ def memory_logger(results: Results, root: Path, module: GPT2) -> None:
                     found["allocator_peak_bytes"] = torch.cuda.max_memory_allocated()
 
         logger, clock = MemoryLogger(at_step=2), Clock(0, 1)
-        trainer(root / "memory_logger", [clock, Peak(), logger], 8, EVERY).fit(module)
+        fit(module, root / "memory_logger", [clock, Peak(), logger], 8, EVERY)
         times = dict(clock.step_ms())
         found.update(
             memory_logger_peak_bytes=logger.peak,
@@ -388,7 +402,7 @@ def profile_logging_step(results: Results, root: Path, module: GPT2, out: Path) 
                     sync()
                     profiler.disable()
 
-        trainer(root / "profile", [Start(), *all_six(), End()], steps, every).fit(module)
+        fit(module, root / "profile", [Start(), *all_six(), End()], steps, every)
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(40)
@@ -457,7 +471,7 @@ def _sync_fit(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer(root, [meter.start, *make(), meter.end], steps, every).fit(module)
+            fit(module, root, [meter.start, *make(), meter.end], steps, every)
         except Exception as error:
             entry["error"] = str(error).splitlines()[0][:300]
             entry["where"] = _our_frames(error)
@@ -492,7 +506,7 @@ def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> Non
                     torch.cuda.memory._record_memory_history(max_entries=100_000, **settings[state])
                 clock = Clock(WARMUP, EVERY)
                 try:
-                    trainer(root / "history" / f"{state}{r}", [clock], steps, EVERY).fit(module)
+                    fit(module, root / "history" / f"{state}{r}", [clock], steps, EVERY)
                 finally:
                     if state != "off":
                         torch.cuda.memory._record_memory_history(enabled=None)
@@ -506,7 +520,7 @@ def memory_tools(results: Results, root: Path, module: GPT2, rounds: int) -> Non
         torch.cuda.memory._record_memory_history(max_entries=100_000)
         module.oom_at = 3
         try:
-            trainer(root / "oom", [], 6, EVERY).fit(module)
+            fit(module, root / "oom", [], 6, EVERY)
             found["oom"] = False
         except torch.OutOfMemoryError as error:
             found["oom"] = True
@@ -623,8 +637,11 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2, help="50-step windows timed per fit")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2 on the CPU, a few steps: the script runs")
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--stacks-after", type=float, default=0, help="print every thread's stack after this long")
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled")
     args = parser.parse_args()
+    if args.stacks_after:  # a thread of faulthandler's: Lightning puts every signal's handler back after each fit
+        faulthandler.dump_traceback_later(args.stacks_after)
     warnings.filterwarnings("ignore")
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -642,28 +659,33 @@ def main() -> None:
     modules = {mode: GPT2(size, compiled=mode == "compiled") for mode in args.modes}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if "time" in args.sections:
-            # the eager rounds get up to 30 % of the budget, the compiled ones what is left of 55 %
-            for mode, share in (("eager", 0.3), ("compiled", 0.55)):
-                if mode not in args.modes:
-                    continue
-                deadline = start + share * args.budget
-                step_times(results, root, {mode: modules[mode]}, args.rounds, args.windows, deadline)
         cuda = torch.cuda.is_available()
-        later: list[tuple[str, Callable[[], None]]] = [
-            ("logging", lambda: logging_step(results, root, modules)),
-            ("memory_logger", lambda: memory_logger(results, root, modules["eager"]) if cuda else None),
-            ("memory", lambda: memory_tools(results, root, modules["eager"], rounds=2) if cuda else None),
-            ("sync", lambda: sync_checks(results, root, modules) if cuda else None),
-            ("profile", lambda: profile_logging_step(results, root, modules["eager"], args.out)),
-        ]
-        for name, run in later:
-            if name not in args.sections:
+        # Every eager part first, then the compiled ones: compiling is the slowest and least predictable part (run 6's
+        # compiled fits outlasted the budget and took the later sections with them), so a run cut short keeps the rest.
+        # The eager step times get up to 30 % of the budget, the compiled ones up to 25 % from where they start.
+        for mode, share in (("eager", 0.3), ("compiled", 0.25)):
+            if mode not in args.modes:
                 continue
-            if time.perf_counter() - start > 1.1 * args.budget:
-                results.put(name, {"skipped": "out of time"})
-                continue
-            run()
+            one = {mode: modules[mode]}
+            names = ["time", "logging", "sync"] + (["memory_logger", "memory", "profile"] if mode == "eager" else [])
+            for name in (n for n in names if n in args.sections):
+                if time.perf_counter() - start > 1.1 * args.budget:
+                    results.put(f"{name} ({mode})", {"skipped": "out of time"})
+                elif name == "time":
+                    deadline = time.perf_counter() + share * args.budget
+                    step_times(results, root, one, args.rounds, args.windows, deadline)
+                elif name == "logging":
+                    logging_step(results, root, one)
+                elif name == "profile":
+                    profile_logging_step(results, root, modules["eager"], args.out)
+                elif not cuda:
+                    continue  # the synchronisation and allocator checks need a GPU
+                elif name == "sync":
+                    sync_checks(results, root, one)
+                elif name == "memory_logger":
+                    memory_logger(results, root, modules["eager"])
+                else:
+                    memory_tools(results, root, modules["eager"], rounds=2)
     results.data["seconds"] = round(time.perf_counter() - start, 1)
     results.put("total", {"seconds": results.data["seconds"]})
     print(table(results.data))
