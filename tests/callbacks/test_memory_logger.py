@@ -444,7 +444,7 @@ def test_out_of_memory_writes_the_snapshot_next_to_the_logs(
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_by_default_no_allocator_history_is_recorded(tmp_path: Path, device: str) -> None:
-    # The history costs 1.4x a step on a GPU (docs/performance.md): recorded only with `snapshot_on_oom=True`.
+    # The history costs 1.07-1.40x a step on a GPU (docs/performance.md): recorded only with `snapshot_on_oom=True`.
     events: list[int] = []
 
     class Look(pl.Callback):
