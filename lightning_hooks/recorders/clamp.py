@@ -59,8 +59,10 @@ def clamp_true_gradient(
         clamped = clamp_true_gradient(grad.values(), value, scale, count)
         if count is not None and count.active:
             count.seen += grad.numel() - grad.values().numel()
-        # From a coalesced tensor's own indices: valid, so the invariant checks (and their warning) are skipped.
-        return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True, check_invariants=False)
+        # From a coalesced tensor's own indices: valid, so the invariant checks (and their warning) are skipped. torch
+        # 2.11 warns they are "implicitly disabled" even with `check_invariants=False`, but not inside this context.
+        with torch.sparse.check_sparse_tensor_invariants(enable=False):
+            return torch.sparse_coo_tensor(grad.indices(), clamped, grad.shape, is_coalesced=True)
     if scale is None:
         if count is not None and count.active:
             count.clamped.append(count_above(grad, value))
