@@ -51,6 +51,7 @@ class Moments:
         self._kept = 0  # losses kept so far: the level below was taken when there were as many
         self._level_at: tuple[int, tuple[float, float]] | None = None
         self._loss_norms: deque[list[float]] = deque(maxlen=SPIKE_WINDOW)
+        self._top_level = 0.0  # the highest median of the logged levels before a rise, over the fit
         self._zero_norms = 0  # of the norms kept, how many are exactly 0 (a parameter without a gradient in its step)
         self._start: tuple[float, dict[str, float]] | None = None  # the first step's loss and layers' gradient norms
         self._diverged = False
@@ -143,8 +144,10 @@ class Moments:
     ) -> list[Evidence]:
         """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
         if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
-        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth. Its fix
-        is the loss's when the loss is ``unbounded`` (see :meth:`_unbounded`)."""
+        median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth. Over
+        logging steps, it must also end above the highest such median of the fit: a converged run's norm, a thousand
+        times under its early level, can rise a hundredfold on a few batches and still be below where the run has
+        been. Its fix is the loss's when the loss is ``unbounded`` (see :meth:`_unbounded`)."""
         length = 3 if overflowed else self.limits.patience + 1
         totals = [math.hypot(*norms.values()) for _, norms in run]
         rising = 1
@@ -152,11 +155,13 @@ class Moments:
             rising += 1
         held = totals[:-rising]  # the levels before the rise
         run, totals = run[-rising:], totals[-rising:]
+        if not overflowed and held:
+            self._top_level = max(self._top_level, statistics.median(held))
         if len(totals) < length:
             return []
         start = totals[0] if overflowed or not held else max(totals[0], statistics.median(held))
         growth = totals[-1] / max(start, 1e-30)
-        if growth < self.limits.norm_growth:
+        if growth < self.limits.norm_growth or (not overflowed and totals[-1] < self._top_level):
             return []
         (first_step, before), (last_step, after) = run[0], run[-1]
         self._logged_norms.clear()  # the next finding needs a new run of rising norms
