@@ -23,7 +23,8 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
    and each fit's peak memory. Eager, all six and the statistics pair also run with a prototype,
    ``SlabsOnDevice``: large tensors copied into slabs and reduced several at once.
 3. **MemoryLogger** (``memory_logger``): its peak of the recorded step against
-   ``torch.cuda.max_memory_allocated`` over the same step, and the recorded step's time.
+   ``torch.cuda.max_memory_allocated`` over the same step, and the recorded step's time, with its floors: the
+   same step under an empty dispatch mode, and under that and torch's ``ModTracker``.
 4. **Synchronisations** (``sync``): ``torch.cuda.set_sync_debug_mode("warn")`` over the quiet steps of fits
    without callbacks, with every callback but NonFiniteGuard and with NonFiniteGuard alone (its one flag
    read a step expected), counting what each warns of; then, where the fit without callbacks synchronised
@@ -382,6 +383,20 @@ def memory_logger(results: Results, root: Path, module: GPT2) -> None:
             quiet_step_ms=_median([times[s] for s in (4, 5, 6)]),
             summary=logger.summary,
         )
+        recorded_step_floors(found, root, module)
+
+
+def recorded_step_floors(found: dict[str, Any], root: Path, module: GPT2) -> None:
+    """What any tracker that sees every operator from Python costs on that step, and torch's ``MemTracker`` at least
+    (``benchmarks/memory_step.py``): the step under an empty dispatch mode, and under that and torch's ``ModTracker``,
+    each against the same fit's quiet steps."""
+    from benchmarks.memory_step import EmptyMode
+
+    for name, modules in (("empty_dispatch_mode", False), ("empty_mode_and_mod_tracker", True)):
+        clock = Clock(0, 1)
+        fit(module, root / "memory_floors" / name, [clock, EmptyMode(2, modules)], 8, EVERY)
+        times = dict(clock.step_ms())
+        found[f"{name}_ratio"] = times[2] / _median([times[s] for s in (4, 5, 6)])
 
 
 def profile_logging_step(results: Results, root: Path, module: GPT2, out: Path) -> None:
