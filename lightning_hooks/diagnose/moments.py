@@ -145,7 +145,7 @@ class Moments:
         """Evidence when the totals of ``run`` rose at each step, at least ``patience + 1`` of them (the last three
         if it ``overflowed``), ``norm_growth``-fold from the start of the rise, and (over logging steps) from the
         median of the levels before it: a rise out of a dip of a converged run's noisy norms is not a growth. Over
-        logging steps, it must also end above the highest such median of the fit: a converged run's norm, a thousand
+        logging steps, it must also end above the highest such median of the fit: a converged run's norm, thousands of
         times under its early level, can rise a hundredfold on a few batches and still be below where the run has
         been. Its fix is the loss's when the loss is ``unbounded`` (see :meth:`_unbounded`)."""
         length = 3 if overflowed else self.limits.patience + 1
