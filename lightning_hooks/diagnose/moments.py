@@ -155,11 +155,11 @@ class Moments:
             rising += 1
         held = totals[:-rising]  # the levels before the rise
         run, totals = run[-rising:], totals[-rising:]
-        if not overflowed and held:
-            self._top_level = max(self._top_level, statistics.median(held))
+        level = statistics.median(held) if held and not overflowed else 0.0
+        self._top_level = max(self._top_level, level)
         if len(totals) < length:
             return []
-        start = totals[0] if overflowed or not held else max(totals[0], statistics.median(held))
+        start = max(totals[0], level)
         growth = totals[-1] / max(start, 1e-30)
         if growth < self.limits.norm_growth or (not overflowed and totals[-1] < self._top_level):
             return []
