@@ -38,8 +38,8 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
    eager, into ``profile.txt``.
 
 ``--modes`` and ``--sections`` pick what runs. Every eager section runs before the compiled ones, and each fit prints
-its name as it starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack once that many
-seconds in (``gpu.sh``: just before its time limit), so a run cut short says where it was.
+its name as it starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack every that many
+seconds (``gpu.sh``: just before its time limit), so a run cut short says where it was.
 
 Figures go to ``docs/performance.md`` with the card and the date, never into docstrings.
 """
@@ -240,15 +240,18 @@ def trainer(root: Path, callbacks: list[pl.Callback], steps: int, every: int, **
     )
 
 
-def fit(module: GPT2, root: Path, callbacks: list[pl.Callback], steps: int, every: int) -> None:
-    """``trainer(...).fit(module)``, saying which fit starts and how long it took: a run cut short shows where."""
+def fit(module: GPT2, root: Path, callbacks: list[pl.Callback], steps: int, every: int) -> float:
+    """``trainer(...).fit(module)``, saying which fit starts and how long it took (returned, in seconds): a run cut
+    short shows where."""
     label = "/".join(root.parts[-3:])
     print(f"  {label} ...", flush=True)
     start = time.perf_counter()
     try:
         trainer(root, callbacks, steps, every).fit(module)
     finally:
-        print(f"  {label}: {time.perf_counter() - start:.1f} s", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"  {label}: {seconds:.1f} s", flush=True)
+    return seconds
 
 
 class Results:
@@ -290,10 +293,15 @@ def section(results: Results, name: str) -> Iterator[dict[str, Any]]:
 
 
 def step_times(
-    results: Results, root: Path, modules: dict[str, GPT2], rounds: int, windows: int, deadline: float
+    results: Results,
+    root: Path,
+    modules: dict[str, GPT2],
+    rounds: int,
+    windows: int,
+    deadline: float,
+    names: list[str],
 ) -> None:
-    """Section 1: rounds of fits, every variant once per round in a rotated order, for each mode."""
-    names = list(VARIANTS)
+    """Section 1: rounds of fits, every variant of ``names`` once per round in a rotated order, for each mode."""
     for mode, module in modules.items():
         warmup = WARMUP  # compiled, both graphs are made in it: the logging one at step 0, the quiet one at step 1
         steps = warmup + windows * EVERY
@@ -307,7 +315,7 @@ def step_times(
                     clock = Clock(warmup, EVERY)
                     where = root / mode / name.replace(" ", "_").replace(",", "") / str(r)
                     torch._dynamo.utils.counters.clear()
-                    fit(module, where, [clock, *VARIANTS[name]()], steps, EVERY)
+                    seconds = fit(module, where, [clock, *VARIANTS[name]()], steps, EVERY)
                     if mode == "compiled":  # what dynamo did during this fit: graphs made, breaks and why
                         counters = torch._dynamo.utils.counters
                         found.setdefault("dynamo", {}).setdefault(name, []).append(
@@ -319,14 +327,18 @@ def step_times(
                         )
                     windows_ms[name] += [ms for _, ms in clock.step_ms()]
                     peaks[name] = max(peaks[name], clock.peak)
-                found["rounds"] = r + 1
-                found["ms_per_step"] = {n: _median(v) for n, v in windows_ms.items()}
-                found["windows"] = windows_ms
-                base = found["ms_per_step"]["without callbacks"]
-                found["ratio"] = {n: v / base for n, v in found["ms_per_step"].items()}
-                found["peak_bytes"] = peaks
-                found["peak_ratio"] = {n: v / peaks["without callbacks"] for n, v in peaks.items() if peaks[n]}
-                results.put(f"step time ({mode})", found)
+                    found.setdefault("fit_seconds", {}).setdefault(name, []).append(round(seconds, 1))
+                    found["rounds"] = r + 1  # written after every fit: a run cut short keeps the fits it finished
+                    done = {n: v for n, v in windows_ms.items() if v}
+                    found["ms_per_step"] = {n: _median(v) for n, v in done.items()}
+                    found["windows"] = windows_ms
+                    base = found["ms_per_step"].get("without callbacks", math.nan)
+                    found["ratio"] = {n: v / base for n, v in found["ms_per_step"].items()}
+                    found["peak_bytes"] = peaks
+                    found["peak_ratio"] = {
+                        n: v / peaks["without callbacks"] for n, v in peaks.items() if v and peaks["without callbacks"]
+                    }
+                    results.put(f"step time ({mode})", found)
 
 
 def logging_step(results: Results, root: Path, modules: dict[str, GPT2]) -> None:
@@ -652,11 +664,14 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2, help="50-step windows timed per fit")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT-2 on the CPU, a few steps: the script runs")
     parser.add_argument("--sections", nargs="*", default=list(SECTIONS), choices=SECTIONS)
-    parser.add_argument("--stacks-after", type=float, default=0, help="print every thread's stack after this long")
-    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled")
+    parser.add_argument(
+        "--stacks-after", type=float, default=0, help="print every thread's stack after this long, and again as often"
+    )
+    parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled, in order")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS, help="step-time fits")
     args = parser.parse_args()
     if args.stacks_after:  # a thread of faulthandler's: Lightning puts every signal's handler back after each fit
-        faulthandler.dump_traceback_later(args.stacks_after)
+        faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
     warnings.filterwarnings("ignore")
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -675,12 +690,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cuda = torch.cuda.is_available()
-        # Every eager part first, then the compiled ones: compiling is the slowest and least predictable part (run 6's
-        # compiled fits outlasted the budget and took the later sections with them), so a run cut short keeps the rest.
-        # The eager step times get up to 30 % of the budget, the compiled ones up to 25 % from where they start.
-        for mode, share in (("eager", 0.3), ("compiled", 0.25)):
-            if mode not in args.modes:
-                continue
+        # The modes in the order asked. By default every eager part comes first: compiling is the slowest and least
+        # predictable part (run 6's compiled fits outlasted the budget and took the later sections with them), so a run
+        # cut short keeps the rest. The eager step times get up to 30 % of the budget, the compiled ones up to 25 % from
+        # where they start. The step-time variants must include "without callbacks", the baseline.
+        for mode in args.modes:
+            share = {"eager": 0.3, "compiled": 0.25}[mode]
             one = {mode: modules[mode]}
             names = ["time", "logging", "sync"] + (["memory_logger", "memory", "profile"] if mode == "eager" else [])
             for name in (n for n in names if n in args.sections):
@@ -688,7 +703,7 @@ def main() -> None:
                     results.put(f"{name} ({mode})", {"skipped": "out of time"})
                 elif name == "time":
                     deadline = time.perf_counter() + share * args.budget
-                    step_times(results, root, one, args.rounds, args.windows, deadline)
+                    step_times(results, root, one, args.rounds, args.windows, deadline, args.variants)
                 elif name == "logging":
                     logging_step(results, root, one)
                 elif name == "profile":

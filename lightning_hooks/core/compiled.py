@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_hooks.core.handles import Observer
 from lightning_hooks.core.select import is_compile_wrapper
-from lightning_hooks.stats.batch import Key, StatBatch, sample, state_row
+from lightning_hooks.stats.batch import Key, StatBatch, sample
+from lightning_hooks.stats.state import RAW_WIDTH, raw_rows, real_view
 
 __all__ = ["Pending", "Region", "Regions", "Settles", "Switched", "eager_stance", "has_compiled", "run_eager"]
 
@@ -61,13 +62,18 @@ class Pending:
     (:meth:`settle`), so nothing recompiles."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self.rows: list[tuple[Key, torch.Tensor, int, torch.Tensor | None]] = []
         self.fired: list[str] = []
-        self._settled: list[tuple[Key, torch.Tensor, torch.Tensor | None]] = []
+        self._settled: list[tuple[Key, torch.Tensor, int, torch.Tensor | None]] = []
         self._ran: set[str] = set()
 
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
-        self.rows.append((key, state_row(t), sample(t) if histogram else None))
+        # Only the reduction is traced, over the whole tensor at once (inductor fuses it, with no copy to split);
+        # the states are made from the rows at the fetch, all together, outside the graph.
+        x = real_view(t.detach())
+        n = x.numel()
+        raw = raw_rows(x.reshape(1, -1)) if n else x.new_zeros(1, RAW_WIDTH, dtype=torch.float32)
+        self.rows.append((key, raw, n, sample(t) if histogram else None))
 
     def settle(self) -> None:
         """After a call of the region: keep what it produced apart from what the next call will."""
@@ -84,8 +90,8 @@ class Pending:
         rows, self._settled = self._settled, []
         fired.update(self._ran)
         self._ran = set()
-        for key, row, sampled in rows:
-            batch.add_state(key, row, sampled)
+        for key, raw, n, sampled in rows:
+            batch.add_raw(key, raw, n, sampled)
 
     def clear(self) -> None:
         self.rows, self.fired, self._settled, self._ran = [], [], [], set()

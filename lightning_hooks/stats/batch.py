@@ -11,6 +11,7 @@ from lightning_hooks.core.select import output_label
 from lightning_hooks.core.shards import counted_part, is_sharded
 from lightning_hooks.stats.histogram import Histogram, histogram_rows, sample
 from lightning_hooks.stats.state import (
+    RAW_WIDTH,
     STATS,
     WIDTH,
     State,
@@ -20,10 +21,9 @@ from lightning_hooks.stats.state import (
     raw_rows,
     raw_states,
     real_view,
-    state_row,
 )
 
-__all__ = ["Across", "Fetched", "Key", "OutputKeys", "StatBatch", "sample", "state_row"]
+__all__ = ["Across", "Fetched", "Key", "OutputKeys", "StatBatch", "sample"]
 
 Key = tuple[str, str]
 """``(group, name)``: what a state is of, e.g. ``("param", "fc1.weight")``."""
@@ -121,10 +121,9 @@ class StatBatch:
         self.open = False
         self._order: dict[Key, None] = {}
         """Every key with a state, in the order of its first call."""
-        self._blocks: list[tuple[list[Key], torch.Tensor]] = []
-        """States computed elsewhere (compiled graphs, empty tensors): the keys of their rows, and the rows."""
         self._raw: list[tuple[list[Key], torch.Tensor, list[int]]] = []
-        """Reduced rows (:func:`raw_rows`), their keys and each row's count of values: made states at :meth:`fetch`."""
+        """Reduced rows (:func:`raw_rows`; zeros for an empty tensor), their keys and each row's count of values: made
+        states at :meth:`fetch`."""
         self._slabs: dict[tuple[torch.device, torch.Size], tuple[list[Key], torch.Tensor]] = {}
         """Per device and shape, the slab of float32 copies being filled, with the keys of its rows so far."""
         self._samples: dict[Key, list[torch.Tensor]] = {}
@@ -184,7 +183,7 @@ class StatBatch:
                 raw, sizes = raw_pieces(t)
                 self._raw.append(([key] * len(sizes), raw, sizes))
         else:
-            self._blocks += [([key], torch.zeros(1, WIDTH, dtype=torch.float64, device=first.device)) for key in keys]
+            self._raw.append((list(keys), first.new_zeros(len(keys), RAW_WIDTH, dtype=torch.float32), [0] * len(keys)))
         if histogram:
             for key, t in zip(keys, tensors, strict=True):
                 self._samples.setdefault(key, []).append(sample(t))
@@ -198,13 +197,13 @@ class StatBatch:
         rows = slab[: len(keys)].reshape(len(keys), -1)
         self._raw.append((keys, raw_rows(rows), [rows.shape[1]] * len(keys)))
 
-    def add_state(self, key: Key, row: torch.Tensor, sampled: torch.Tensor | None = None) -> None:
-        """Pool a state computed elsewhere (:func:`state_row` in a compiled graph) under ``key``, with a
-        :func:`sample` of its tensor for the key's histogram if there is one."""
+    def add_raw(self, key: Key, raw: torch.Tensor, n: int, sampled: torch.Tensor | None = None) -> None:
+        """Pool the :func:`~lightning_hooks.stats.state.raw_rows` row of a tensor of ``n`` values reduced elsewhere
+        (in a compiled graph) under ``key``, with a :func:`sample` of it for the key's histogram if there is one."""
         if self.open:
             self._order[key] = None
-            self._device = self._device or row.device
-            self._blocks.append(([key], row.reshape(1, WIDTH)))
+            self._device = self._device or raw.device
+            self._raw.append(([key], raw.reshape(1, -1), [n]))
             if sampled is not None:
                 self._samples.setdefault(key, []).append(sampled)
 
@@ -287,17 +286,13 @@ class StatBatch:
 
     def _pooled(self, keys: list[Key], device: torch.device) -> torch.Tensor:
         """One state per key of ``keys`` (a key with nothing recorded here is an empty state)."""
-        blocks = list(self._blocks)
-        if self._raw:
-            raw = torch.cat([rows.to(device) for _, rows, _ in self._raw])
-            sizes = torch.tensor([n for _, _, ns in self._raw for n in ns], dtype=torch.float64, device=device)
-            blocks.append(([key for block_keys, _, _ in self._raw for key in block_keys], raw_states(raw, sizes)))
-        if not blocks:
+        if not self._raw:
             return torch.zeros(len(keys), WIDTH, dtype=torch.float64, device=device)
+        raw = torch.cat([rows.to(device) for _, rows, _ in self._raw])
+        sizes = torch.tensor([n for _, _, ns in self._raw for n in ns], dtype=torch.float64, device=device)
         position = {key: i for i, key in enumerate(keys)}
-        index = [position[key] for block_keys, _ in blocks for key in block_keys]
-        rows = torch.cat([rows.to(device) for _, rows in blocks])
-        return pool(rows, torch.tensor(index, device=device), len(keys))
+        index = [position[key] for block_keys, _, _ in self._raw for key in block_keys]
+        return pool(raw_states(raw, sizes), torch.tensor(index, device=device), len(keys))
 
     def _histograms(self, keys: list[Key], device: torch.device) -> torch.Tensor:
         """The histogram rows of ``keys``, in order; samples of one length and dtype are counted as one matrix."""

@@ -10,6 +10,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "RAW_WIDTH",
     "STATS",
     "WIDTH",
     "State",
@@ -50,6 +51,8 @@ class State(NamedTuple):
 
 WIDTH = len(State._fields)
 _SUMMED = WIDTH - 1
+RAW_WIDTH = 6
+"""The width of a :func:`raw_rows` row."""
 
 
 def raw_rows(m: torch.Tensor) -> torch.Tensor:

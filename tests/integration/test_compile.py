@@ -273,6 +273,27 @@ def test_shape_logger_records_a_compiled_region_without_an_eager_step(
     assert not [w for w in run.caught if "recompile" in w]
 
 
+def test_statistics_of_a_region_whose_batch_changes_shape_are_eagers(tmp_path: Path) -> None:
+    # 56 samples in batches of 16: the last batch (8) changes shape, and dynamo compiles the logging graph again for
+    # it, with the tensors' sizes symbolic. Every step's statistics are the eager fit's.
+    def logged(compiled: bool) -> tuple[dict[str, dict[int, float]], Run]:
+        run = fit(
+            tmp_path / str(compiled),
+            CompiledBody(compiled=compiled, n=56),
+            [ActivationStats(), GradStats()],
+            max_steps=4,
+            log_every_n_steps=1,
+        )
+        return {tag: scalars(run.root, tag) for tag in COMPARED}, run
+
+    eager, _ = logged(False)
+    compiled, run = logged(True)
+    assert sorted(eager["act_mean/body.fc1"]) == [0, 1, 2, 3]
+    for tag in COMPARED:
+        assert compiled[tag] == pytest.approx(eager[tag], rel=1e-5, abs=1e-7), tag
+    assert run.breaks == 0
+
+
 class Block(nn.Module):
     """A layer returning ``(hidden, None)``, as transformers' blocks return their optional cache."""
 
