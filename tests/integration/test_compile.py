@@ -25,6 +25,7 @@ from lightning_hooks import (
     ShapeLogger,
 )
 from lightning_hooks.recorders.gradients import _READERS
+from lightning_hooks.stats.state import CHUNK
 from tests.support.helpers import CUDA, Probe, TinyNet, events, hook_state, make_trainer, scalars, texts
 from tests.support.pretrained import third_party
 
@@ -292,6 +293,33 @@ def test_statistics_of_a_region_whose_batch_changes_shape_are_eagers(tmp_path: P
     for tag in COMPARED:
         assert compiled[tag] == pytest.approx(eager[tag], rel=1e-5, abs=1e-7), tag
     assert run.breaks == 0
+
+
+class Repeat(nn.Module):
+    """Its input repeated into more than ``CHUNK`` values (:class:`Columns` takes the first eight features back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, CHUNK // x.numel() + 1)
+
+
+def test_an_output_larger_than_a_chunk_is_reduced_whole_inside_the_graph(tmp_path: Path) -> None:
+    # Eager code reduces a tensor of more than CHUNK values in pieces; the logging graph reduces it at once.
+    def logged(compiled: bool) -> dict[str, dict[int, float]]:
+        model = CompiledBody(compiled=compiled, last=nn.Sequential(Repeat(), Columns()))
+        run = fit(tmp_path / str(compiled), model, [ActivationStats()], max_steps=1)
+        return {stat: scalars(run.root, f"act_{stat}/body.last.0") for stat in ("mean", "std", "abs_max", "zero_frac")}
+
+    eager, compiled = logged(False), logged(True)
+    assert eager["zero_frac"][0] > 0.1  # ReLU's zeros, repeated
+    for stat, values in eager.items():
+        # Inductor's CPU loop adds the 8 M float32 values into fewer partial sums than torch's eager mean does: the
+        # means differ by about 2.5e-5.
+        assert compiled[stat] == pytest.approx(values, rel=1e-4, abs=1e-7), stat
+
+
+class Columns(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :8]
 
 
 class Block(nn.Module):
