@@ -37,8 +37,10 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
 6. **Where a logging step's host time goes** (``profile``): cProfile over two logging steps of all six,
    eager, into ``profile.txt``.
 
-``--modes`` and ``--sections`` pick what runs. Every eager section runs before the compiled ones, and each fit prints
-its name as it starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack every that many
+``--modes`` and ``--sections`` pick what runs, the modes in the order given (eager first by default);
+``--variants`` picks the step-time fits, among them four of parts of all six (``SINGLES``: GradClamp,
+HealthMonitor, ShapeLogger, the statistics pair), timed only when named. Each fit prints its name as it
+starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack every that many
 seconds (``gpu.sh``: just before its time limit), so a run cut short says where it was.
 
 Figures go to ``docs/performance.md`` with the card and the date, never into docstrings.
@@ -143,6 +145,13 @@ VARIANTS: dict[str, Callable[[], list[pl.Callback]]] = {
     "NonFiniteGuard": lambda: [NonFiniteGuard()],
     "NonFiniteGuard every 10": lambda: [NonFiniteGuard(check_every_n_steps=10)],
 }
+SINGLES: dict[str, Callable[[], list[pl.Callback]]] = {
+    "GradClamp": lambda: [GradClamp(1.0)],
+    "HealthMonitor @50": lambda: [HealthMonitor()],
+    "ShapeLogger @50": lambda: [ShapeLogger()],
+    "GradStats + ActivationStats @50": lambda: [GradStats(), ActivationStats()],
+}
+"""Fits timed only when ``--variants`` names them: what each part of all six adds (run 9's compiled 1.53×)."""
 
 
 class SlabsOnDevice(pl.Callback):
@@ -315,7 +324,7 @@ def step_times(
                     clock = Clock(warmup, EVERY)
                     where = root / mode / name.replace(" ", "_").replace(",", "") / str(r)
                     torch._dynamo.utils.counters.clear()
-                    seconds = fit(module, where, [clock, *VARIANTS[name]()], steps, EVERY)
+                    seconds = fit(module, where, [clock, *{**VARIANTS, **SINGLES}[name]()], steps, EVERY)
                     if mode == "compiled":  # what dynamo did during this fit: graphs made, breaks and why
                         counters = torch._dynamo.utils.counters
                         found.setdefault("dynamo", {}).setdefault(name, []).append(
@@ -625,7 +634,8 @@ def table(data: dict[str, Any]) -> str:
         heads = " | ".join(f"{m}: ms/step (× none) | {m}: peak memory (× none)" for m in modes)
         lines += [f"| variant | {heads} |"]
         lines += ["|---|" + "---:|---:|" * len(modes)]
-        for name in VARIANTS:
+        timed = {n for m in modes for n in s[f"step time ({m})"].get("ms_per_step", {})}
+        for name in [n for n in (*VARIANTS, *SINGLES) if n in timed]:
             cells = []
             for m in modes:
                 f = s[f"step time ({m})"]
@@ -668,7 +678,9 @@ def main() -> None:
         "--stacks-after", type=float, default=0, help="print every thread's stack after this long, and again as often"
     )
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"], help="eager and/or compiled, in order")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS, help="step-time fits")
+    parser.add_argument(
+        "--variants", nargs="*", default=list(VARIANTS), choices=[*VARIANTS, *SINGLES], help="step-time fits"
+    )
     args = parser.parse_args()
     if args.stacks_after:  # a thread of faulthandler's: Lightning puts every signal's handler back after each fit
         faulthandler.dump_traceback_later(args.stacks_after, repeat=True)
