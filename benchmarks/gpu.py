@@ -41,7 +41,7 @@ written to ``gpu.json`` as soon as it ends (a run cut short keeps what it measur
 ``--variants`` picks the step-time fits, among them four of parts of all six (``SINGLES``: GradClamp,
 HealthMonitor, ShapeLogger, the statistics pair), timed only when named. Each fit prints its name as it
 starts and its seconds as it ends, and ``--stacks-after`` prints every thread's stack every that many
-seconds (``gpu.sh``: just before its time limit), so a run cut short says where it was.
+seconds (``gpu.sh``: every 100 s), so a run cut short says where it was.
 
 Figures go to ``docs/performance.md`` with the card and the date, never into docstrings.
 """
