@@ -1057,13 +1057,17 @@ def test_attention_that_became_one_hot_by_solving_its_task_is_not_saturation(tmp
     # present from the first logging step (weights too large) is still named whatever the loss does.
     pl.seed_everything(0, verbose=False)
     model = Reverser()
+    shares: list[float] = []  # per training step, the share of attention rows within 0.1 % of one-hot
+
+    def share(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        shares.append(float((out.detach().amax(-1) > 0.999).float().mean()))
+
+    handle = model.blocks[1].attn.attend.register_forward_hook(share)
     assert fit(tmp_path, model, steps=400, every=20) == []
-    rows: list[torch.Tensor] = []
-    handle = model.blocks[1].attn.attend.register_forward_hook(lambda m, args, out: rows.append(out.amax(-1)))
-    with torch.no_grad():
-        model.training_step([model.x[:256]], 0)
     handle.remove()
-    assert (rows[0] > 0.999).float().mean() > 0.5  # it is saturated, as the check counts it
+    # It is saturated as the check counts it (half the rows) at some logging steps: the share peaks near 0.53 there and
+    # falls below 0.5 as weight decay goes on (0.4999 on one CPU at step 400, 0.50 on another), so not at the end alone.
+    assert max(shares[::20]) > 0.5
 
 
 def test_a_hinge_loss_that_meets_every_margin_of_a_batch_is_not_no_learning(tmp_path: Path) -> None:
