@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -23,7 +23,13 @@ from lightning_hooks.core.select import named_parameters
 from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.finding import Finding, Reading, first_finding, with_parameters
 from lightning_hooks.diagnose.replay import MicroBatch, RngState, replay, training_flags
-from lightning_hooks.recorders.finite import NonFiniteRecorder, finite_step, grad_readings, parameter_readings
+from lightning_hooks.recorders.finite import (
+    NonFiniteRecorder,
+    finite_step,
+    grad_readings,
+    nonfinite_flag,
+    parameter_readings,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,6 +76,13 @@ class NonFiniteGuard(HookCallback):
     ``raise`` logs the report, flushes the logger and raises :class:`NonFiniteError`; ``warn`` logs every
     finding and warns once per layer; ``skip_step`` does what ``warn`` does and sets the optimizer's gradients
     to ``None``, so that its step changes neither the weights nor its state.
+
+    The check reads one flag a step on the host, which waits for the device there; except where the optimizer can
+    skip its step on the device (those that take a ``GradScaler``'s ``found_inf``: Adam, AdamW and SGD with
+    ``fused=True``), under ``mode="replay"`` with ``raise`` or ``skip_step``, without a ``GradScaler`` or
+    ``ModelParallelStrategy``. There the optimizer is handed the flag and skips a failed step itself, and the flag
+    is read one optimizer step later (or at the end of training), when the device is long past it: the report,
+    replay and action come then, for the failed step, whose weights the skip kept.
 
     Logged: text ``nonfinite/first_layer`` (the report, at each finding) and scalar
     ``nonfinite/skipped_steps`` (the running count of skipped steps).
@@ -138,6 +151,10 @@ class NonFiniteGuard(HookCallback):
         self._scaler: torch.amp.GradScaler | None = None
         self._param_names: dict[int, str] = {}
         self._compiled = False
+        self._verdict: _Verdict | None = None
+        """A checked step whose optimizer skips it on the device if its flag is set, judged one optimizer step later."""
+        self._handed: Optimizer | None = None
+        """The optimizer holding this step's flag as ``found_inf``, until its step is taken."""
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -165,9 +182,11 @@ class NonFiniteGuard(HookCallback):
         self._every_module = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_every_module": [], "_micro_batches": []}
+        return {**super().__getstate__(), "_every_module": [], "_micro_batches": [], "_verdict": None, "_handed": None}
 
     def _disarm(self) -> None:
+        self._take_back()
+        self._verdict = None
         run_eager(self, False)
         self.gate.reset()
         self._skipping = False
@@ -210,6 +229,8 @@ class NonFiniteGuard(HookCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        if self._verdict is not None:  # the step before's flag has long reached the host
+            self._judge(trainer, pl_module)
         if self.gate.step is None:
             return
         if self._skipping:
@@ -224,6 +245,7 @@ class NonFiniteGuard(HookCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._take_back()
         if not self._eager:
             if self.gate.is_open and self.gate.end(trainer.global_step) is not None:
                 self._micro_batches, self._skipping = [], False
@@ -242,22 +264,77 @@ class NonFiniteGuard(HookCallback):
         """Replay mode: check the step; if it failed, read what the check saw, replay it, agree across ranks, act."""
         found_inf = overflow_flags(self._scaler, optimizer)
         grads = [] if found_inf else _strided_gradients(optimizer)
-        losses = [(m.batch_idx, m.loss) for m in self._micro_batches if m.loss is not None]
+        losses = [m.loss for m in self._micro_batches if m.loss is not None]
         # Under DDP the all-reduced gradients decide, so that every rank reaches the same verdict; where each rank
         # holds its own part of them (FSDP2, tensor parallelism), the ranks agree on it in one collective.
-        losses_decide = not self._distributed or self._sharded
-        finite = finite_step(grads, [loss for _, loss in losses] if losses_decide else [], found_inf)
+        deciding = losses if not self._distributed or self._sharded else []
+        if self._skips_on_device(optimizer, grads, deciding):
+            flag = nonfinite_flag(grads, deciding)
+            optimizer.found_inf = flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler's is
+            self._handed = optimizer
+            self._verdict = _Verdict(step, *_on_host(flag), self._micro_batches, optimizer)
+            return
+        finite = finite_step(grads, deciding, found_inf)
         if self._sharded:
             finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if finite:
-            return
+        if not finite:
+            self._diagnose(trainer, pl_module, step, self._micro_batches, optimizer, found_inf)
+
+    def _skips_on_device(self, optimizer: Optimizer, grads: list[torch.Tensor], losses: list[torch.Tensor]) -> bool:
+        """Whether ``optimizer`` can be handed this step's flag, to skip the step itself if it is set."""
+        return (
+            self.action != "warn"  # `warn` lets a failed step change the weights
+            and self._scaler is None
+            and not self._sharded
+            and bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # fused Adam, AdamW, SGD
+            and not hasattr(optimizer, "found_inf")
+            and len({t.device for t in (*grads, *losses)}) == 1
+        )
+
+    def _judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the flag the optimizer was handed; if it was set, that step was skipped (or is to raise): report it."""
+        verdict, self._verdict = self._verdict, None
+        assert verdict is not None
+        if verdict.ready is not None:
+            verdict.ready.synchronize()  # long done: the device has computed a step since
+        if verdict.flag.tolist():
+            self._diagnose(trainer, pl_module, verdict.step, verdict.micro_batches, verdict.optimizer, [], handed=True)
+
+    def _take_back(self) -> None:
+        """Remove the flag handed to the optimizer, once its step is taken (or the fit ends)."""
+        if self._handed is not None:
+            if hasattr(self._handed, "found_inf"):
+                del self._handed.found_inf
+            self._handed = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_back()
+        if self._verdict is not None:  # the last step's
+            self._judge(trainer, pl_module)
+        super().on_train_end(trainer, pl_module)
+
+    def _diagnose(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        micro_batches: list[MicroBatch],
+        optimizer: Optimizer,
+        found_inf: list[torch.Tensor],
+        handed: bool = False,
+    ) -> None:
+        """A failed step: read what the check saw, replay the step, agree across ranks and act. ``handed``: the
+        optimizer was handed the flag and skipped the step; its gradients are gone, the replay takes them again."""
+        losses = [(m.batch_idx, m.loss) for m in micro_batches if m.loss is not None]
         scaler_skips = bool(found_inf and sum(map(float, found_inf)))
-        named = self._gradients(optimizer) if self.check_backward else []
+        named = self._gradients(optimizer) if self.check_backward and not handed else []
         seen = [*(n.float() for n in grad_readings(named)), *(loss.float() for _, loss in losses)]
         values = torch.stack(seen).tolist() if seen else []
         parameters = parameter_readings(named, values[: len(named)])
         bad_losses = [(i, v) for (i, _), v in zip(losses, values[len(named) :], strict=True) if not math.isfinite(v)]
-        replayed = self._replay(trainer, pl_module, backward=self.check_backward and not scaler_skips)
+        weights = self._weights(optimizer) if self.check_backward and handed else []
+        replayed = self._replay(trainer, pl_module, micro_batches, self.check_backward and not scaler_skips, weights)
         if replayed is None and bad_losses:
             batch_idx, value = bad_losses[0]
             replayed = Finding("loss", tensor=("", Reading(value, value, 1, 1)), batch_idx=batch_idx, reproduced=False)
@@ -269,9 +346,16 @@ class NonFiniteGuard(HookCallback):
             local = replace(local, step=step, replayed=True)
         finding = self._agree(trainer, local)
         if finding is not None:
-            self._act(trainer, finding, optimizer, scaler_skips, step)
+            self._act(trainer, finding, None if handed else optimizer, scaler_skips, step, skipped=handed)
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, backward: bool) -> Finding | None:
+    def _replay(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        micro_batches: list[MicroBatch],
+        backward: bool,
+        weights: list[tuple[str, torch.Tensor]],
+    ) -> Finding | None:
         training_step = pl_module.training_step
         takes_batch_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
 
@@ -281,9 +365,7 @@ class NonFiniteGuard(HookCallback):
             return loss if isinstance(loss, torch.Tensor) else None
 
         with _logging_dropped(pl_module), trainer.precision_plugin.train_step_context(), eager_stance():
-            return replay(
-                pl_module, self._modules, self._micro_batches, run, trainer.strategy.root_device, backward=backward
-            )
+            return replay(pl_module, self._modules, micro_batches, run, trainer.strategy.root_device, backward, weights)
 
     def _agree(self, trainer: pl.Trainer, local: Finding | None) -> Finding | None:
         """Every rank's finding, agreed with one ``all_gather_object`` (called by every rank at once)."""
@@ -315,6 +397,10 @@ class NonFiniteGuard(HookCallback):
         if found:
             self._act(trainer, finding, optimizer, scaler_skips, step)
 
+    def _weights(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        return [(self._param_names.get(id(p), f"<parameter {i}>"), p) for i, p in enumerate(params)]
+
     def _gradients(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
             (self._param_names.get(id(p), f"<parameter {i}>"), local(p.grad))  # a DTensor's own shard (FSDP2)
@@ -323,8 +409,15 @@ class NonFiniteGuard(HookCallback):
         ]
 
     def _act(
-        self, trainer: pl.Trainer, finding: Finding | None, optimizer: Optimizer | None, scaler_skips: bool, step: int
+        self,
+        trainer: pl.Trainer,
+        finding: Finding | None,
+        optimizer: Optimizer | None,
+        scaler_skips: bool,
+        step: int,
+        skipped: bool = False,
     ) -> None:
+        """Report and act; ``skipped``: the optimizer skipped the step on the device already."""
         if finding is None:
             lines = [f"another rank found NaN/Inf values at step {step}"]
         else:
@@ -332,7 +425,7 @@ class NonFiniteGuard(HookCallback):
             lines = finding.lines(step)
             if self._scaler is not None:
                 lines.append(self._scaler_note(finding, scaler_skips))
-        skip = self.action == "skip_step" and optimizer is not None
+        skip = self.action == "skip_step" and (optimizer is not None or skipped)
         if skip:
             lines.append("the optimizer step is skipped")
         if finding is not None:
@@ -341,9 +434,10 @@ class NonFiniteGuard(HookCallback):
         if self.action == "raise":
             self._sink.flush(trainer)
             raise NonFiniteError(report, finding)
-        if skip and optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-            self._skipping = True
+        if skip:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+                self._skipping = True
             self.skipped_steps += 1
             self._sink.scalars(trainer, {SKIPPED_TAG: float(self.skipped_steps)}, step)
         if finding is not None and (key := f"{finding.phase}:{finding.layer}") not in self._warned:
@@ -364,6 +458,28 @@ class NonFiniteGuard(HookCallback):
         return (
             f"a GradScaler is active (scale {scale:g}) but found the parameter gradients finite: it will take this step"
         )
+
+
+@dataclass
+class _Verdict:
+    """A checked step whose flag the optimizer was handed: ``flag`` is on the host once ``ready`` is done."""
+
+    step: int
+    flag: torch.Tensor
+    ready: torch.Event | None
+    micro_batches: list[MicroBatch]
+    optimizer: Optimizer
+
+
+def _on_host(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+    """A copy of the accelerator's ``flag`` on its way to (pinned) host memory, and the event that says it is there."""
+    if flag.device.type == "cpu":
+        return flag, None
+    host = torch.empty_like(flag, device="cpu", pin_memory=flag.device.type == "cuda")
+    host.copy_(flag, non_blocking=True)
+    ready = torch.Event(device=flag.device)
+    ready.record()
+    return host, ready
 
 
 def _cannot_replay(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:

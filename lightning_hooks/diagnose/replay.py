@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.handles import HookHandles, observers_asleep
-from lightning_hooks.diagnose.finding import Finding
-from lightning_hooks.recorders.finite import NonFiniteRecorder
+from lightning_hooks.diagnose.finding import Finding, with_parameters
+from lightning_hooks.recorders.finite import NonFiniteRecorder, grad_readings, parameter_readings
 
 __all__ = ["MicroBatch", "RngState", "replay", "training_flags"]
 
@@ -73,13 +73,15 @@ def replay(
     run: Callable[[MicroBatch], torch.Tensor | None],
     device: torch.device,
     backward: bool = True,
+    parameters: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> Finding | None:
     """Run each micro-batch again (``run`` returns its loss) with a recorder on ``modules``; what it found.
 
     Each micro-batch starts from its own generator and train/eval states (of ``model.modules()``); with
-    ``backward``, its loss is differentiated with respect to the recorded activations only, so no parameter's
-    ``.grad`` changes. The other recorders of this package sleep meanwhile. Afterwards the generators, flags
-    and buffers of ``model`` are as they were, and no hook is left.
+    ``backward``, its loss is differentiated with respect to the recorded activations (and the named
+    ``parameters``, whose non-finite gradients, summed over the micro-batches, the finding then lists) only, so no
+    parameter's ``.grad`` changes. The other recorders of this package sleep meanwhile. Afterwards the generators,
+    flags and buffers of ``model`` are as they were, and no hook is left.
 
     Example::
 
@@ -93,6 +95,9 @@ def replay(
     rng, flags = RngState.capture(device), training_flags(every)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = NonFiniteRecorder(check_backward=backward)
+    named_weights = [(name, p) for name, p in parameters if p.requires_grad] if backward else []
+    weights = [p for _, p in named_weights]
+    grads: dict[int, torch.Tensor] = {}
     try:
         with observers_asleep(), HookHandles() as handles, torch.enable_grad():
             recorder.attach(modules, handles)
@@ -104,10 +109,16 @@ def replay(
                 loss = run(micro)
                 if isinstance(loss, torch.Tensor):
                     recorder.record_loss(loss)
-                    if backward and loss.requires_grad and recorder.keep:
-                        torch.autograd.grad(loss.float().sum(), recorder.keep, allow_unused=True)
+                    inputs = [*recorder.keep, *weights]
+                    if backward and loss.requires_grad and inputs:
+                        found = torch.autograd.grad(loss.float().sum(), inputs, allow_unused=True)
+                        for i, g in enumerate(found[len(recorder.keep) :]):
+                            if g is not None:
+                                grads[i] = g if i not in grads else grads[i] + g
                 recorder.keep = None  # the activations go with the micro-batch
-        return recorder.find()[0]
+        named = [(named_weights[i][0], g) for i, g in sorted(grads.items())]
+        norms = torch.stack(grad_readings(named)).tolist() if named else []
+        return with_parameters(recorder.find()[0], parameter_readings(named, norms))
     finally:
         recorder.active, recorder.keep = False, None
         rng.restore()

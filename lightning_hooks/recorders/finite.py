@@ -19,7 +19,14 @@ from lightning_hooks.core.shards import local
 from lightning_hooks.diagnose.finding import FINITE, NAN, Finding, Phase, Reading
 from lightning_hooks.stats.state import flat_pieces, nonfinite_count, real_view
 
-__all__ = ["NonFiniteRecorder", "find_nonfinite", "finite_step", "grad_readings", "parameter_readings"]
+__all__ = [
+    "NonFiniteRecorder",
+    "find_nonfinite",
+    "finite_step",
+    "grad_readings",
+    "nonfinite_flag",
+    "parameter_readings",
+]
 
 
 class Readings:
@@ -365,6 +372,19 @@ def finite_step(
         bad = torch.where(found > 0, math.inf, 0.0)
         total = bad if total is None else total + bad.to(total.device)
     return math.isfinite(total.item())  # type: ignore[union-attr]
+
+
+def nonfinite_flag(grads: list[torch.Tensor], losses: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """1.0 where some gradient or loss holds NaN or Inf, else 0.0: a float32 0-d tensor left on their device (what
+    a fused optimizer takes as ``found_inf``, to skip its step there without the host waiting).
+
+    Example::
+
+        >>> nonfinite_flag([torch.ones(3)], [torch.tensor(float("inf"))])
+        tensor(1.)
+    """
+    total = _finite_total([*grads, *(loss.detach() for loss in losses)])
+    return torch.isfinite(total).logical_not().float()
 
 
 def _finite_total(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -62,6 +62,8 @@ class ChainNet(ZooModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=0.01)
+        if self.optimizer in ("adamw", "fused adamw"):  # fused, it skips a step itself when handed a `found_inf` flag
+            return torch.optim.AdamW(self.parameters(), lr=0.01, fused=self.optimizer == "fused adamw")
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 

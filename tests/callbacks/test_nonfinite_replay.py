@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hooks import NonFiniteError, NonFiniteGuard
-from lightning_hooks.callbacks.nonfinite_guard import TEXT_TAG
+from lightning_hooks.callbacks.nonfinite_guard import SKIPPED_TAG, TEXT_TAG
 from lightning_hooks.core.handles import HookHandles, observers_asleep
 from lightning_hooks.recorders.activations import ActivationRecorder
 from lightning_hooks.stats.batch import StatBatch
 from tests.callbacks.test_nonfinite_guard import ChainNet, ManualChainNet, Snapshots, guard_warnings, same
-from tests.support.helpers import TinyNet, devices, events, hook_state, make_trainer, texts
+from tests.support.helpers import TinyNet, devices, events, hook_state, make_trainer, scalars, texts
 from tests.support.zoo import ResNetish
 from tests.unit.test_finite_core import Log
 
@@ -171,6 +171,69 @@ def test_replay_skip_step_keeps_weights_and_optimizer_state_bit_identical(tmp_pa
     assert same(state, snapshots.end[0][1])
     assert not same(snapshots.start[1][0], snapshots.end[1][0])
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert hook_state(model) == before
+
+
+def fit_and_raise(tmp_path: Path, model: ChainNet, **kwargs: Any) -> tuple[NonFiniteError, pl.Trainer, Snapshots]:
+    snapshots = Snapshots()
+    trainer = make_trainer(tmp_path, [NonFiniteGuard(), snapshots], **kwargs)
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit(model)
+    return err.value, trainer, snapshots
+
+
+def test_a_fused_optimizer_skips_the_failed_step_and_the_guard_reports_it_at_the_next_as_it_would_have(
+    tmp_path: Path,
+) -> None:
+    # Handed the flag, the fused AdamW skips step 3 on the device; the guard reads the flag at step 4's check (no
+    # host wait at step 3) and replays step 3 then, its weights kept by the skip. The report is the synchronous one's.
+    torch.manual_seed(0)
+    fused, trainer, snapshots = fit_and_raise(
+        tmp_path / "fused", ChainNet(Log(), bad_batches=(3,), optimizer="fused adamw")
+    )
+    torch.manual_seed(0)
+    plain, plain_trainer, _ = fit_and_raise(tmp_path / "plain", ChainNet(Log(), bad_batches=(3,), optimizer="adamw"))
+    assert (trainer.global_step, plain_trainer.global_step) == (4, 3)  # raised before step 4's optimizer step
+    weights = {name: p.detach() for name, p in trainer.lightning_module.named_parameters()}
+    assert same(weights, snapshots.start[3][0])  # step 3 changed nothing
+    assert fused.finding is not None
+    assert plain.finding is not None
+    for f in (fused.finding, plain.finding):
+        assert (f.phase, f.module, f.step, f.batch_idx, f.replayed, f.made_here) == (
+            "forward",
+            "layer3",
+            3,
+            3,
+            True,
+            True,
+        )
+    assert repr(fused.finding.tensor) == repr(plain.finding.tensor)  # (NaN is not equal to NaN)
+    # The parameters' gradients are gone at step 4: the replay takes them again.
+    assert [(name, r.nonfinite) for name, r in fused.finding.parameters] == [
+        (name, r.nonfinite) for name, r in plain.finding.parameters
+    ]
+    assert str(fused).splitlines()[:3] == str(plain).splitlines()[:3]
+
+
+def test_a_failed_last_step_handed_to_a_fused_optimizer_is_reported_at_the_end_of_training(tmp_path: Path) -> None:
+    error, trainer, _ = fit_and_raise(tmp_path, ChainNet(Log(), bad_batches=(3,), optimizer="fused adamw"), max_steps=4)
+    assert error.finding is not None
+    assert (error.finding.step, error.finding.module, trainer.global_step) == (3, "layer3", 4)
+    assert not hasattr(trainer.optimizers[0], "found_inf")  # the flag was taken back
+
+
+def test_skip_step_with_a_fused_optimizer_keeps_weights_and_state_bit_identical(tmp_path: Path) -> None:
+    snapshots, guard = Snapshots(), NonFiniteGuard(action="skip_step")
+    model = ChainNet(Log(), bad_batches=(1,), optimizer="fused adamw")
+    before = hook_state(model)
+    with pytest.warns(UserWarning, match=r"at step 1:\nforward: `layer3` \(Log\)[\s\S]*the optimizer step is skipped"):
+        make_trainer(tmp_path, [guard, snapshots], max_steps=4).fit(model)
+    assert same(snapshots.start[1][0], snapshots.end[1][0])
+    assert same(snapshots.start[1][1], snapshots.end[1][1])  # the step count and both moments
+    assert not same(snapshots.start[2][0], snapshots.end[2][0])  # the next steps learn
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert guard.skipped_steps == 1
+    assert scalars(tmp_path, SKIPPED_TAG) == {1: 1.0}
     assert hook_state(model) == before
 
 

@@ -56,7 +56,9 @@ class HostReads(TorchDispatchMode):
             if torch.device(kwargs.get("device") or args[0].device).type == "cpu":
                 self.reads.append(_where())
         elif func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-            self.reads.append(_where())
+            # A copy into pinned memory that does not block leaves the host running: not a read until it is used.
+            waits = not (args[0].is_pinned() and (args[2:] or [kwargs.get("non_blocking")])[0])
+            self.reads += [_where()] if waits else []
         return func(*args, **kwargs)
 
 
@@ -95,6 +97,13 @@ class MeteredSteps:
             self.mode.__exit__(None, None, None)
 
 
+class FusedNet(TinyNet):
+    """TinyNet under a fused AdamW, which skips a step on the device when handed a ``found_inf`` flag."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+
+
 def step_reads(
     tmp_path: Path,
     callbacks: list[pl.Callback],
@@ -102,6 +111,7 @@ def step_reads(
     logging: bool = False,
     steps: int = STEPS,
     every: int = EVERY,
+    model: type[TinyNet] = TinyNet,
 ) -> list[list[str]]:
     """Where each host read of each quiet step (each logging step, with ``logging``) of a 12-step fit happened."""
     meter = MeteredSteps(logging, every)
@@ -112,7 +122,7 @@ def step_reads(
         max_steps=steps,
         log_every_n_steps=every,
     )
-    trainer.fit(TinyNet(n=64, batch_size=16))  # every batch the same shape: ShapeLogger has no reason to look
+    trainer.fit(model(n=64, batch_size=16))  # every batch the same shape: ShapeLogger has no reason to look
     assert meter.steps == [s for s in range(steps) if (s % every == 0) == logging]
     return meter.per_step
 
@@ -161,6 +171,19 @@ def test_nonfinite_guard_reads_its_one_flag_per_optimizer_step(tmp_path: Path, d
     reads = quiet_reads(tmp_path, [NonFiniteGuard()], device)
     assert len(reads) == len(QUIET), reads
     assert len(set(reads)) == 1, reads  # one place: the flag
+
+
+@pytest.mark.parametrize("device", devices())
+def test_nonfinite_guard_reads_nothing_where_the_optimizer_skips_a_failed_step_itself(
+    tmp_path: Path, device: str
+) -> None:
+    # Handed the flag as `found_inf`, a fused optimizer skips a failed step on the device; the guard reads the flag
+    # one step later, from host memory (on an accelerator, copied there without waiting), and dispatches no read.
+    reads = step_reads(tmp_path, [NonFiniteGuard()], device, model=FusedNet)
+    assert [where for step in reads for where in step] == []
+    # `warn` lets a failed step change the weights, so it checks before the step, as with any other optimizer.
+    warned = step_reads(tmp_path / "warn", [NonFiniteGuard(action="warn")], device, model=FusedNet)
+    assert [len(step) for step in warned] == [1] * len(QUIET), warned
 
 
 @pytest.mark.parametrize("device", devices())

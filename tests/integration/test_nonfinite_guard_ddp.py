@@ -33,9 +33,15 @@ class RankChain(ChainNet):
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("mode", ["replay", "eager"])
-def test_a_nan_made_on_rank_1_only_is_reported_by_rank_0_naming_rank_1(tmp_path: Path, mode: str) -> None:
-    model = RankChain(Log(), optimizer="adam")
+@pytest.mark.parametrize(
+    ("mode", "optimizer"),
+    # A fused AdamW is handed the flag: both ranks skip step 1 on the device and report it at step 2.
+    [("replay", "adam"), ("eager", "adam"), ("replay", "fused adamw")],
+)
+def test_a_nan_made_on_rank_1_only_is_reported_by_rank_0_naming_rank_1(
+    tmp_path: Path, mode: str, optimizer: str
+) -> None:
+    model = RankChain(Log(), optimizer=optimizer)
     model.x[17, 0] = -1.0  # rank 1's sample 8: its second batch; rank 0's batches stay finite
     guard = NonFiniteGuard(action="skip_step", mode=mode)
     trainer = make_trainer(
