@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -126,6 +127,8 @@ class StatBatch:
         states at :meth:`fetch`."""
         self._slabs: dict[tuple[torch.device, torch.Size], tuple[list[Key], torch.Tensor]] = {}
         """Per device and shape, the slab of float32 copies being filled, with the keys of its rows so far."""
+        self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, list[int]]] = {}
+        """Per tensor :meth:`add` reduced at once, by ``id``: the tensor (weakly), its version and its rows."""
         self._samples: dict[Key, list[torch.Tensor]] = {}
         self._scalars: list[tuple[Sequence[Key], torch.Tensor]] = []
         self._vectors: dict[Key, torch.Tensor] = {}
@@ -134,10 +137,23 @@ class StatBatch:
     def add(self, key: Key, t: torch.Tensor, histogram: bool = False) -> None:
         """Take the state of ``t`` under ``key`` (later in-place ops do not change it), and a sample for the key's
         histogram if asked."""
-        if self.open:
-            self._order[key] = None
-            x = real_view(t.detach())
-            self._take([key], [counted_part(x, copies_off_mesh=False) if is_sharded(x) else x], histogram)
+        if not self.open:
+            return
+        self._order[key] = None
+        x = real_view(t.detach())
+        x = counted_part(x, copies_off_mesh=False) if is_sharded(x) else x
+        if x.numel() <= ROW_MAX:
+            self._take([key], [x], histogram)
+            return
+        # Reduced at once, and once: the same tensor met again unchanged (a container returns its last child's output,
+        # an addition hands one gradient to both its inputs: half of GPT-2's output gradients) reuses its rows.
+        found = self._reduced.get(id(t))
+        if found is None or found[0]() is not t or found[1] != t._version:
+            found = self._reduced[id(t)] = (weakref.ref(t), t._version, *raw_pieces(x))
+        self._device = self._device or x.device
+        self._raw.append(([key] * len(found[3]), found[2], found[3]))
+        if histogram:
+            self._samples.setdefault(key, []).append(sample(x))
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hooks.core.handles import HookHandles
 from lightning_hooks.recorders.activations import ActivationRecorder
@@ -450,21 +451,44 @@ def test_the_tensor_taken_last_is_not_kept_alive() -> None:
     assert batch.fetch().states["act", "head"].numel == _stats.ROW_MAX + 1
 
 
+class Count(TorchDispatchMode):
+    """The operators dispatched while held that are not views (each a kernel launch on an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_large_tensor_met_again_unchanged_is_reduced_once_and_changed_in_place_again() -> None:
+    # A container returns its last child's output and an addition hands one gradient to both its inputs, so the
+    # same tensor reaches a batch under several keys (GPT-2: 63 of its 302 outputs and output gradients).
+    t = seeded(_stats.ROW_MAX + 1, seed=81)
+    expected = t.double()
+    batch = StatBatch()
+    batch.start()
+    with Count() as counted:
+        batch.add(("act", "mlp.dropout"), t)
+        first = len(counted.ops)
+        batch.add(("act", "mlp"), t)
+        assert len(counted.ops) == first  # its rows again, no operator
+        t.mul_(2)  # a new version: reduced anew
+        batch.add(("act", "scaled"), t)
+        assert len(counted.ops) > 2 * first
+    states = batch.fetch().states
+    assert states["act", "mlp"] == states["act", "mlp.dropout"]
+    for key, scale in (("mlp", 1), ("scaled", 2)):
+        assert states["act", key].sum == pytest.approx(float(scale * expected.sum()), rel=1e-6, abs=1e-3)
+        assert states["act", key].sum_sq == pytest.approx(float((scale * expected).square().sum()), rel=1e-6)
+
+
 def test_a_large_tensor_is_reduced_in_a_few_operators_and_made_a_state_with_the_others() -> None:
     # On an accelerator each operator that is not a view is a kernel launch, and a logging step takes hundreds of
     # tensors: a few fused reductions per tensor, and the float64 states made once for them all at fetch.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not func.is_view:
-                self.ops.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     tensors = [torch.randn(3, 40_000) for _ in range(4)]  # each larger than a slab row: reduced when taken
     batch = StatBatch()
     batch.start()
