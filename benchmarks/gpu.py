@@ -162,6 +162,7 @@ class FusedAdamW(pl.Callback):
 SINGLES: dict[str, Callable[[], list[pl.Callback]]] = {
     "without callbacks, fused AdamW": lambda: [FusedAdamW()],
     "NonFiniteGuard, fused AdamW": lambda: [FusedAdamW(), NonFiniteGuard()],
+    "all six @50, fused AdamW": lambda: [FusedAdamW(), *all_six()],
     "GradClamp": lambda: [GradClamp(1.0)],
     "HealthMonitor @50": lambda: [HealthMonitor()],
     "ShapeLogger @50": lambda: [ShapeLogger()],

@@ -215,6 +215,20 @@ def test_a_fused_optimizer_skips_the_failed_step_and_the_guard_reports_it_at_the
     assert str(fused).splitlines()[:3] == str(plain).splitlines()[:3]
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_flag_handed_to_a_fused_optimizer_is_read_at_the_next_optimizer_step_checked_or_not(
+    tmp_path: Path, every: int
+) -> None:
+    # Step 3 is not checked when checking every 2 steps: step 2's flag is read there all the same, before the weights
+    # move on from those the failed step kept.
+    model = ChainNet(Log(), bad_batches=(2,), optimizer="fused adamw")
+    trainer = make_trainer(tmp_path, [NonFiniteGuard(check_every_n_steps=every)])
+    with pytest.raises(NonFiniteError, match=r"step 2, batch 2") as err:
+        trainer.fit(model)
+    assert err.value.finding is not None
+    assert (err.value.finding.step, err.value.finding.module, trainer.global_step) == (2, "layer3", 3)
+
+
 def test_a_failed_last_step_handed_to_a_fused_optimizer_is_reported_at_the_end_of_training(tmp_path: Path) -> None:
     error, trainer, _ = fit_and_raise(tmp_path, ChainNet(Log(), bad_batches=(3,), optimizer="fused adamw"), max_steps=4)
     assert error.finding is not None
