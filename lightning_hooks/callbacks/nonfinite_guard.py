@@ -153,8 +153,6 @@ class NonFiniteGuard(HookCallback):
         self._compiled = False
         self._verdict: _Verdict | None = None
         """A checked step whose optimizer skips it on the device if its flag is set, judged one optimizer step later."""
-        self._handed: Optimizer | None = None
-        """The optimizer holding this step's flag as ``found_inf``, until its step is taken."""
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]) -> None:
@@ -182,7 +180,7 @@ class NonFiniteGuard(HookCallback):
         self._every_module = []
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_every_module": [], "_micro_batches": [], "_verdict": None, "_handed": None}
+        return {**super().__getstate__(), "_every_module": [], "_micro_batches": [], "_verdict": None}
 
     def _disarm(self) -> None:
         self._take_back()
@@ -271,7 +269,6 @@ class NonFiniteGuard(HookCallback):
         if self._skips_on_device(optimizer, grads, deciding):
             flag = nonfinite_flag(grads, deciding)
             optimizer.found_inf = flag  # type: ignore[attr-defined]  # read by the fused step, as a GradScaler's is
-            self._handed = optimizer
             self._verdict = _Verdict(step, *_on_host(flag), self._micro_batches, optimizer)
             return
         finite = finite_step(grads, deciding, found_inf)
@@ -302,10 +299,8 @@ class NonFiniteGuard(HookCallback):
 
     def _take_back(self) -> None:
         """Remove the flag handed to the optimizer, once its step is taken (or the fit ends)."""
-        if self._handed is not None:
-            if hasattr(self._handed, "found_inf"):
-                del self._handed.found_inf
-            self._handed = None
+        if self._verdict is not None and hasattr(self._verdict.optimizer, "found_inf"):
+            del self._verdict.optimizer.found_inf
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -403,8 +398,8 @@ class NonFiniteGuard(HookCallback):
 
     def _gradients(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
         return [
-            (self._param_names.get(id(p), f"<parameter {i}>"), local(p.grad))  # a DTensor's own shard (FSDP2)
-            for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+            (name, local(p.grad))  # a DTensor's own shard (FSDP2)
+            for name, p in self._weights(optimizer)
             if p.grad is not None and p.grad.layout == torch.strided
         ]
 

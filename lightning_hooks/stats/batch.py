@@ -128,7 +128,7 @@ class StatBatch:
         self._slabs: dict[tuple[torch.device, torch.Size], tuple[list[Key], torch.Tensor]] = {}
         """Per device and shape, the slab of float32 copies being filled, with the keys of its rows so far."""
         self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor, list[int]]] = {}
-        """Per tensor :meth:`add` reduced at once, by ``id``: the tensor (weakly), its version and its rows."""
+        """Per tensor reduced at once, by the ``id`` of its source: the source (weakly), its version and the rows."""
         self._samples: dict[Key, list[torch.Tensor]] = {}
         self._scalars: list[tuple[Sequence[Key], torch.Tensor]] = []
         self._vectors: dict[Key, torch.Tensor] = {}
@@ -141,19 +141,7 @@ class StatBatch:
             return
         self._order[key] = None
         x = real_view(t.detach())
-        x = counted_part(x, copies_off_mesh=False) if is_sharded(x) else x
-        if x.numel() <= ROW_MAX:
-            self._take([key], [x], histogram)
-            return
-        # Reduced at once, and once: the same tensor met again unchanged (a container returns its last child's output,
-        # an addition hands one gradient to both its inputs: half of GPT-2's output gradients) reuses its rows.
-        found = self._reduced.get(id(t))
-        if found is None or found[0]() is not t or found[1] != t._version:
-            found = self._reduced[id(t)] = (weakref.ref(t), t._version, *raw_pieces(x))
-        self._device = self._device or x.device
-        self._raw.append(([key] * len(found[3]), found[2], found[3]))
-        if histogram:
-            self._samples.setdefault(key, []).append(sample(x))
+        self._take([key], [counted_part(x, copies_off_mesh=False) if is_sharded(x) else x], histogram, [t])
 
     def add_many(self, keys: Sequence[Key], tensors: Sequence[torch.Tensor], histogram: bool = False) -> None:
         """:meth:`add` for each key and tensor."""
@@ -170,9 +158,11 @@ class StatBatch:
             for group_keys, group in groups.values():
                 self._take(group_keys, group, histogram)
 
-    def _take(self, keys: list[Key], tensors: list[torch.Tensor], histogram: bool) -> None:
+    def _take(
+        self, keys: list[Key], tensors: list[torch.Tensor], histogram: bool, sources: list[torch.Tensor] | None = None
+    ) -> None:
         """Copy the rows of ``tensors`` (of one device and shape) into their shape's slab or, if they are large,
-        reduce each at once."""
+        reduce each at once: once per ``source`` (the tensor each was taken from) met again unchanged."""
         first = tensors[0]
         self._device = self._device or first.device
         n, k = first.numel(), len(tensors)
@@ -195,14 +185,23 @@ class StatBatch:
                 if used + taken == rows:
                     self._reduce_slab(slot)
         elif n:
-            for key, t in zip(keys, tensors, strict=True):
-                raw, sizes = raw_pieces(t)
+            for key, t, source in zip(keys, tensors, sources or tensors, strict=True):
+                raw, sizes = self._reduced_once(t, source)
                 self._raw.append(([key] * len(sizes), raw, sizes))
         else:
             self._raw.append((list(keys), first.new_zeros(len(keys), RAW_WIDTH, dtype=torch.float32), [0] * len(keys)))
         if histogram:
             for key, t in zip(keys, tensors, strict=True):
                 self._samples.setdefault(key, []).append(sample(t))
+
+    def _reduced_once(self, t: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """:func:`raw_pieces` of ``t``, taken from ``source``; the same rows again while ``source`` is that object at
+        that version (a container returns its last child's output, an addition hands one gradient to both its inputs:
+        a fifth of GPT-2's outputs and output gradients reach a batch twice)."""
+        found = self._reduced.get(id(source))
+        if found is None or found[0]() is not source or found[1] != source._version:
+            found = self._reduced[id(source)] = (weakref.ref(source), source._version, *raw_pieces(t))
+        return found[2], found[3]
 
     def _reduce_slabs(self) -> None:
         for slot in list(self._slabs):
